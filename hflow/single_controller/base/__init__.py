@@ -1,0 +1,6 @@
+from hflow.single_controller.base.decorator import Dispatch, Execute, register, register_dispatch_mode, update_dispatch_mode
+from hflow.single_controller.base.worker import Worker
+from hflow.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
+
+__all__ = ["ClassWithInitArgs", "Dispatch", "Execute", "ResourcePool", "Worker", "WorkerGroup", "register",
+           "register_dispatch_mode", "update_dispatch_mode"]

@@ -1,0 +1,108 @@
+"""The one place in hflow that knows which hardware it runs on.
+
+Every other module asks this helper for the device, the torch.distributed backend and the Ray
+resource a worker needs, so the same code runs on an 8-GPU node (cuda / NCCL / "GPU") and on a CPU
+machine (cpu / gloo / "CPU") without branching on the hardware anywhere else.
+
+`HFLOW_DEVICE=cpu` forces the CPU path on a machine that has GPUs (useful for debugging);
+`HFLOW_DEVICE=cuda` fails loudly if no GPU is visible instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+_ENV_KEY = "HFLOW_DEVICE"
+
+
+@lru_cache(maxsize=1)
+def _detect() -> str:
+    forced = os.environ.get(_ENV_KEY, "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"{_ENV_KEY}={forced!r} is not a device hflow knows; use 'cpu' or 'cuda' (or unset it)")
+    if forced == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if forced == "cuda":
+        raise RuntimeError(f"{_ENV_KEY}=cuda but torch sees no CUDA device; unset it to run on the CPU")
+    return "cpu"
+
+
+def device_name() -> str:
+    """'cuda' or 'cpu': the accelerator type this process trains and generates on."""
+    return _detect()
+
+
+def is_cuda() -> bool:
+    return device_name() == "cuda"
+
+
+def local_device_index() -> int:
+    """Index of this process's GPU among the visible ones.
+
+    Ray gives each worker one GPU through CUDA_VISIBLE_DEVICES, so the index is 0; under torchrun
+    every process sees all GPUs and LOCAL_RANK picks one.
+    """
+    if not is_cuda() or torch.cuda.device_count() == 1:
+        return 0
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_device() -> torch.device:
+    """The torch device of this process (cuda:i or cpu)."""
+    if is_cuda():
+        return torch.device("cuda", local_device_index())
+    return torch.device("cpu")
+
+
+def set_device() -> torch.device:
+    """Bind this process to its device (a no-op on CPU) and return it."""
+    device = get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def dist_backend() -> str:
+    """The torch.distributed backend for collectives between workers."""
+    return "nccl" if is_cuda() else "gloo"
+
+
+def ray_resource() -> str:
+    """The Ray resource one worker process holds: a whole GPU, or a CPU on CPU-only machines."""
+    return "GPU" if is_cuda() else "CPU"
+
+
+def synchronize() -> None:
+    if is_cuda():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    """Give cached accelerator memory back (between phases that take turns on the device)."""
+    if is_cuda():
+        torch.cuda.empty_cache()
+
+
+def memory_allocated_gib() -> float:
+    """Memory held by tensors on this process's device, in GiB (process RSS on CPU)."""
+    if is_cuda():
+        return torch.cuda.memory_allocated() / 2**30
+    return _rss_bytes() / 2**30
+
+
+def max_memory_allocated_gib() -> float:
+    if is_cuda():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

