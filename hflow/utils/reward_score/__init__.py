@@ -1,0 +1,41 @@
+"""Rule-based scoring functions, chosen by a sample's ``data_source``.
+
+Every scorer follows the reward-function contract: ``compute_score(data_source, solution_str,
+ground_truth, extra_info=None)`` returns a float (or a dict with a ``score`` key). To score a data set
+not listed in `SCORERS`, write such a function in a file and point ``custom_reward_function.path``
+at it.
+
+This package imports nothing heavy (no torch): the reward manager's scoring processes import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hflow.utils.reward_score import arithmetic, gsm8k, math
+
+__all__ = ["SCORERS", "default_compute_score"]
+
+# data_source → scorer(solution_str, ground_truth) -> float
+SCORERS: dict[str, Callable[[str, Any], float]] = {
+    "openai/gsm8k": gsm8k.compute_score,
+    "lighteval/MATH": math.compute_score,
+    "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
+    "HuggingFaceH4/MATH-500": math.compute_score,
+    "hflow/arithmetic": arithmetic.compute_score,
+}
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
+    """Score one response with the built-in scorer for its ``data_source``."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        raise ValueError(
+            f"no built-in reward function for data_source={data_source!r}; known data sources: "
+            f"{sorted(SCORERS)}. For other data, write compute_score(data_source, solution_str, ground_truth, "
+            "extra_info=None) in a Python file and set custom_reward_function.path (and .name)"
+        )
+    return float(scorer(solution_str, ground_truth))

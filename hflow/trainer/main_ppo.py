@@ -1,0 +1,114 @@
+"""Train a policy with PPO / GRPO on one node:
+
+    python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo data.train_files=train.parquet ...
+
+With no data or model given, it trains the built-in small model on the built-in arithmetic task.
+The configuration is checked before Ray starts or any model loads; every impossible combination is
+reported with the keys to change.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hflow.trainer.preflight import preflight_check
+from hflow.utils import device
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "config")
+
+# Environment every worker process starts with: in-process vLLM engines (the hybrid engine shares the
+# worker's torch.distributed world), no hidden torch.compile in the sampler, quiet tokenizers.
+WORKER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARN",
+    "NCCL_DEBUG": "WARN",
+}
+if not device.is_cuda():
+    WORKER_ENV["TORCHDYNAMO_DISABLE"] = "1"
+
+
+def fill_builtin_defaults(config: DictConfig) -> None:
+    """Point unset data and model paths at the built-in task and model (generated on first use)."""
+    needs_model = config.actor_rollout_ref.model.path is None
+    needs_data = config.data.train_files is None or config.data.val_files is None
+    if not (needs_model or needs_data):
+        return
+    from hflow.utils.builtin_task import ensure_builtin_assets
+
+    assets = ensure_builtin_assets()
+    with open_dict(config):
+        if needs_model:
+            config.actor_rollout_ref.model.path = str(assets.model_path)
+        if config.data.train_files is None:
+            config.data.train_files = str(assets.train_file)
+        if config.data.val_files is None:
+            config.data.val_files = str(assets.val_file)
+
+
+def run_ppo(config: DictConfig) -> dict[str, float]:
+    import ray
+
+    fill_builtin_defaults(config)
+    preflight_check(config)
+    OmegaConf.resolve(config)
+    if not ray.is_initialized():
+        ray.init(
+            address=config.ray_init.address,
+            num_cpus=config.ray_init.num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": WORKER_ENV},
+        )
+    trainer = build_trainer(config)
+    try:
+        trainer.init_workers()
+        val_metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
+    plot_learning_curve(config)
+    return val_metrics
+
+
+def build_trainer(config: DictConfig):
+    from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
+    from hflow.utils.dataset import RLHFDataset, collate_fn, create_train_dataloader
+    from hflow.workers.fsdp_workers import _load_tokenizer
+    from hflow.workers.reward_manager import load_reward_manager
+
+    model_cfg = config.actor_rollout_ref.model
+    tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
+    val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files")
+    train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
+    reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
+    val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
+    return RayPPOTrainer(config, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset, collate_fn,
+                         train_dataloader)
+
+
+def plot_learning_curve(config: DictConfig) -> None:
+    metrics_file = Path(config.trainer.log_dir) / "metrics.jsonl"
+    if metrics_file.exists():
+        from hflow.utils.plotting import plot_runs
+
+        path = plot_runs([metrics_file], metrics_file.with_name("learning_curve.png"))
+        print(f"learning curve: {path}")
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    try:
+        run_ppo(config)
+    except KeyboardInterrupt:
+        # Ray kills the worker actors when the driver exits; say so instead of a long traceback.
+        print("interrupted: stopping workers", file=sys.stderr)
+        os._exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Reject impossible configurations before Ray starts or any model loads.
+
+Each check raises `ConfigError` naming the keys to change. The batch-size rules are the workers' own
+(`hflow.workers.config`), applied here with the world size the trainer will use, so the two can never
+disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from hflow.trainer.ppo import core_algos
+from hflow.utils.tracking import check_backends
+from hflow.workers.config import (
+    ConfigError,
+    check_micro_batch,
+    check_model_path,
+    per_rank_mini_batch,
+)
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def _files(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _check_files(value, key: str) -> None:
+    files = _files(value)
+    if not files:
+        raise ConfigError(f"{key} is empty; give one parquet file or a list of them")
+    for path in files:
+        if not Path(str(path)).expanduser().is_file():
+            raise ConfigError(f"{key}: file {path} does not exist")
+
+
+def _check_choice(value, choices, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def preflight_check(config: DictConfig) -> None:
+    """All checks that need nothing but the config and the file system (fast: no model is loaded)."""
+    data, arr, algo, trainer = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
+    actor, rollout = arr.actor, arr.rollout
+    world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
+    if world < 1:
+        raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
+    n = int(rollout.n)
+    if n < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
+
+    # files
+    _check_files(data.train_files, "data.train_files")
+    _check_files(data.val_files, "data.val_files")
+    check_model_path(arr.model.path, "actor_rollout_ref.model.path")
+    if config.custom_reward_function.path is not None and not Path(
+            str(config.custom_reward_function.path)).expanduser().is_file():
+        raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")
+
+    # algorithm names
+    known = [e.value for e in core_algos.AdvantageEstimator]
+    if algo.adv_estimator not in known:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; choose from {known}")
+    _check_choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
+    try:
+        core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode: {err}") from None
+    if actor.use_kl_loss:
+        _check_choice(actor.kl_loss_type.rstrip("+"), KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
+    if algo.use_kl_in_reward:
+        _check_choice(algo.kl_penalty.rstrip("+"), KL_TYPES, "algorithm.kl_penalty")
+        _check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    _check_choice(rollout.name, ("vllm", "hf"), "actor_rollout_ref.rollout.name")
+    if algo.adv_estimator == "gae" and config.critic.model.path is None:
+        raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
+                          "(by default it is the actor's model)")
+    if algo.adv_estimator in ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline") and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: set "
+            f"actor_rollout_ref.rollout.n >= 2 (it is {n})")
+
+    # batch sizes (global prompts -> per-rank sequences)
+    batch = int(data.train_batch_size)
+    if batch < 1:
+        raise ConfigError(f"data.train_batch_size must be >= 1, got {batch}")
+    if batch * n % world:
+        raise ConfigError(
+            f"data.train_batch_size ({batch}) x actor_rollout_ref.rollout.n ({n}) = {batch * n} sequences cannot be "
+            f"split evenly over {world} ranks (trainer.n_gpus_per_node x trainer.nnodes)")
+    if actor.ppo_mini_batch_size > batch:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is larger than "
+            f"data.train_batch_size ({batch}); it counts prompts of one batch")
+    if batch % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({batch}) must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size "
+            f"({actor.ppo_mini_batch_size})")
+    per_rank = per_rank_mini_batch(actor.ppo_mini_batch_size, n, world, "actor_rollout_ref.actor",
+                                   "actor_rollout_ref.rollout.n")
+    check_micro_batch(per_rank, actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor",
+                      "ppo_micro_batch_size_per_gpu", actor.use_dynamic_bsz)
+    if algo.adv_estimator == "gae":
+        critic = config.critic
+        if critic.ppo_mini_batch_size > batch:
+            raise ConfigError(f"critic.ppo_mini_batch_size ({critic.ppo_mini_batch_size}) is larger than "
+                              f"data.train_batch_size ({batch})")
+        per_rank = per_rank_mini_batch(critic.ppo_mini_batch_size, n, world, "critic", "critic.rollout_n")
+        check_micro_batch(per_rank, critic.ppo_micro_batch_size_per_gpu, "critic", "ppo_micro_batch_size_per_gpu",
+                          critic.use_dynamic_bsz)
+    tp = int(rollout.tensor_model_parallel_size)
+    if tp < 1 or world % tp:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number "
+                          f"of ranks ({world}, trainer.n_gpus_per_node x trainer.nnodes)")
+
+    # lengths against the model's context
+    model_config = json.loads((Path(str(arr.model.path)).expanduser() / "config.json").read_text())
+    max_positions = model_config.get("max_position_embeddings")
+    total = int(data.max_prompt_length) + int(data.max_response_length)
+    if max_positions and not model_config.get("rope_scaling") and total > max_positions:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
+            f"max_position_embeddings ({max_positions}); shorten them")
+    if rollout.val_kwargs.do_sample and float(rollout.val_kwargs.temperature) <= 0:
+        raise ConfigError("actor_rollout_ref.rollout.val_kwargs.do_sample=true needs val_kwargs.temperature > 0")
+    if float(rollout.temperature) <= 0 and rollout.do_sample:
+        raise ConfigError("actor_rollout_ref.rollout.temperature must be > 0 for sampling "
+                          "(set rollout.do_sample=false for greedy)")
+
+    # trainer
+    try:
+        check_backends(trainer.logger)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
+    if trainer.resume_mode == "resume_path":
+        path = trainer.resume_from_path
+        if path is None or not Path(str(path)).is_dir() or not Path(str(path)).name.startswith("global_step_"):
+            raise ConfigError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
+                              f"global_step_N checkpoint folder, got {path}")
+    if trainer.total_training_steps is None and int(trainer.total_epochs) < 1:
+        raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
+    if config.reward_model.enable:
+        check_model_path(config.reward_model.model.path, "reward_model.model.path")
+    _check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
+    from hflow.utils import device
+
+    if device.is_cuda():
+        import torch
+
+        if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
+            raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
+                              f"{torch.cuda.device_count()} GPUs")

@@ -1,0 +1,213 @@
+"""RLHFDataset: chat prompts from parquet, templated, tokenized and left-padded for generation.
+
+Each parquet row holds ``prompt`` (chat messages, a list of ``{"role", "content"}``), ``data_source``,
+``reward_model`` (a struct with ``ground_truth``), and optionally ``ability`` and ``extra_info``
+(see ``examples/data_preprocess/gsm8k.py``). Prompts are left-padded because generation appends
+the response on the right; rows are read from the Arrow table on demand, so a large file costs
+little memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+from hflow.utils.torch_functional import compute_position_id_with_mask
+
+__all__ = ["RLHFDataset", "collate_fn"]
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+
+class RLHFDataset(Dataset):
+    """Prompts for RL, one item per parquet row.
+
+    Args:
+        data_files: one parquet path or a list (``~`` is expanded).
+        tokenizer: a Hugging Face tokenizer with a chat template (or set ``data.chat_template``).
+        config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
+            ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``return_raw_chat``,
+            ``chat_template``.
+        files_key: the config key the files came from, for error messages.
+
+    An item has ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
+    ``max_prompt_length``, left-padded), ``raw_prompt_ids`` (the unpadded ids, for vLLM),
+    ``raw_prompt`` (the messages; only with ``return_raw_chat``), ``index`` (``extra_info.index``, else
+    the row number) and every other column of the row (``data_source``, ``reward_model``, ...).
+    With ``filter_overlong_prompts``, longer prompts are dropped at load and counted in `num_filtered`.
+    """
+
+    def __init__(
+        self,
+        data_files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer: Any,
+        config: Mapping[str, Any],
+        files_key: str = "data.train_files",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.files = _resolve_files(data_files, files_key)
+        self.prompt_key = config.get("prompt_key", "prompt")
+        self.reward_fn_key = config.get("reward_fn_key", "data_source")
+        self.max_prompt_length = int(config.get("max_prompt_length", 1024))
+        self.truncation = config.get("truncation", "error")
+        self.return_raw_chat = bool(config.get("return_raw_chat", False))
+        self.chat_template = config.get("chat_template")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
+        if self.max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length}; it must be at least 1")
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
+                "template; set data.chat_template to a Jinja chat template"
+            )
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_token_id is None:
+            raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
+
+        tables = [self._read(path) for path in self.files]
+        self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        self.num_filtered = 0
+        if config.get("filter_overlong_prompts", True):
+            self._drop_overlong()
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self._table.slice(index, 1).to_pylist()[0]
+        messages = row.pop(self.prompt_key)
+        ids = self._truncate(self._encode(messages), index)
+
+        padding = self.max_prompt_length - len(ids)
+        input_ids = torch.tensor([self.pad_token_id] * padding + ids, dtype=torch.long)
+        attention_mask = torch.tensor([0] * padding + [1] * len(ids), dtype=torch.long)
+        row["input_ids"] = input_ids
+        row["attention_mask"] = attention_mask
+        row["position_ids"] = compute_position_id_with_mask(attention_mask)
+        row["raw_prompt_ids"] = ids
+        if self.return_raw_chat:
+            row["raw_prompt"] = messages
+        extra_info = row.get("extra_info")
+        given_index = extra_info.get("index") if isinstance(extra_info, dict) else None
+        row["index"] = index if given_index is None else given_index
+        return row
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    def _read(self, path: str) -> pa.Table:
+        """Read one parquet file and check that it has the columns the trainer and reward need."""
+        table = pq.read_table(path)
+        schema = table.schema
+        columns = schema.names
+
+        def schema_error(what: str) -> ValueError:
+            return ValueError(f"{path}: {what}; the file has columns {columns}")
+
+        if self.prompt_key not in columns:
+            raise schema_error(f"no prompt column {self.prompt_key!r} (data.prompt_key)")
+        prompt_type = schema.field(self.prompt_key).type
+        if not (
+            (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
+            and pa.types.is_struct(prompt_type.value_type)
+            and {"role", "content"} <= {field.name for field in prompt_type.value_type}
+        ):
+            raise schema_error(
+                f"column {self.prompt_key!r} is {prompt_type}, not chat messages; store a list of "
+                "{'role': ..., 'content': ...} dicts, e.g. [{'role': 'user', 'content': question}]"
+            )
+        if self.reward_fn_key not in columns:
+            raise schema_error(f"no column {self.reward_fn_key!r} (data.reward_fn_key)")
+        if "reward_model" not in columns:
+            raise schema_error("no column 'reward_model' (a struct with 'ground_truth')")
+        reward_type = schema.field("reward_model").type
+        if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
+            raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
+        return table
+
+    def _drop_overlong(self) -> None:
+        """Drop rows whose templated prompt is longer than ``max_prompt_length`` tokens."""
+        texts = [self._render(messages) for messages in self._table.column(self.prompt_key).to_pylist()]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        keep = [i for i, length in enumerate(lengths) if length <= self.max_prompt_length]
+        self.num_filtered = len(lengths) - len(keep)
+        if not keep:
+            raise ValueError(
+                f"{self.files}: all {len(lengths)} prompts are longer than data.max_prompt_length="
+                f"{self.max_prompt_length} tokens (the shortest has {min(lengths, default=0)}); raise "
+                "data.max_prompt_length"
+            )
+        if self.num_filtered:
+            self._table = self._table.take(pa.array(keep, type=pa.int64()))
+            logger.warning(
+                "RLHFDataset %s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens "
+                "(data.filter_overlong_prompts=true)",
+                self.files,
+                self.num_filtered,
+                len(lengths),
+                self.max_prompt_length,
+            )
+
+    # ---- per item --------------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+    def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
+
+    def _truncate(self, ids: list[int], index: int) -> list[int]:
+        limit = self.max_prompt_length
+        if len(ids) <= limit:
+            return ids
+        if self.truncation == "left":
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        if self.truncation == "middle":
+            head = limit // 2
+            return ids[:head] + ids[len(ids) - (limit - head) :]
+        raise ValueError(
+            f"{self.files}: the prompt of sample {index} is {len(ids)} tokens, longer than data.max_prompt_length="
+            f"{limit}; raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, "
+            "or set data.truncation to left, right or middle"
+        )
+
+
+def collate_fn(items: list[dict[str, Any]]) -> dict[str, torch.Tensor | np.ndarray]:
+    """Stack tensors along a new dim 0; gather everything else into numpy object arrays (one entry
+    per item), so that ``DataProto.from_single_dict`` splits them into batch and non-tensor batch."""
+    batch: dict[str, torch.Tensor | np.ndarray] = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if isinstance(values[0], torch.Tensor):
+            batch[key] = torch.stack(values)
+        else:
+            # Element by element: np.array(list_of_equal_length_lists) would build a 2-D array.
+            array = np.empty(len(values), dtype=object)
+            for i, value in enumerate(values):
+                array[i] = value
+            batch[key] = array
+    return batch
+
+
+def _resolve_files(data_files: Any, files_key: str) -> list[str]:
+    if data_files is None or (not isinstance(data_files, (str, os.PathLike)) and len(data_files) == 0):
+        raise ValueError(f"{files_key} is not set; give a parquet file or a list of parquet files")
+    paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
+    resolved = [os.path.expanduser(os.fspath(path)) for path in paths]
+    for path in resolved:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{files_key}: no such file {path!r}")
+    return resolved

@@ -1,0 +1,257 @@
+"""NaiveRewardManager: score each response with a rule-based function and place the score on its last token.
+
+Outcome rewards live on the last valid response token of ``token_level_scores`` (N, L); the
+advantage estimators read them from there. User scoring functions run in worker processes with a
+deadline (see `hflow.utils.reward_score.runner`): a hung, crashing or misbehaving function stops the
+run with a message naming the sample, or, with ``on_error="zero"``, scores 0 and is counted.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hflow.protocol import DataProto
+from hflow.utils.reward_score import default_compute_score
+from hflow.utils.reward_score.runner import CallResult, ScoringPool
+from hflow.workers.reward_manager.registry import register
+
+__all__ = ["NaiveRewardManager", "RewardFunctionError"]
+
+_ON_ERROR = ("raise", "zero")
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function failed for a sample (raised, timed out, died or returned a non-number)."""
+
+
+@register("naive")
+class NaiveRewardManager:
+    """Calls ``compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`` per sample.
+
+    Args:
+        tokenizer: decodes prompts and responses (special tokens skipped).
+        num_examine: decoded examples to print per data source and call (0 in training, 1 in validation).
+        compute_score: the reward function; None means `default_compute_score` (by data source), or the
+            reward model's ``rm_scores`` alone when the batch has them.
+        reward_fn_key: non-tensor key holding each sample's data source (``data.reward_fn_key``).
+        timeout_s: per-call limit in seconds; None calls the function in this process, without a limit
+            (for debugging, or functions that cannot be pickled).
+        on_error: ``"raise"`` stops at the first failure; ``"zero"`` scores failures 0 and counts them.
+        num_workers: scoring processes; None means min(8, CPU count).
+        **reward_kwargs: extra keyword arguments for every call.
+
+    The function returns a number (bool, int, float) or a dict with a ``score`` key; the dict's other
+    keys become per-sample ``reward_extra_info`` lists (None where a sample's result lacked the key).
+    If the batch already has ``rm_scores`` (a reward model ran), a configured function's scores are
+    added to them.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        timeout_s: float | None = 30.0,
+        on_error: str = "raise",
+        num_workers: int | None = None,
+        **reward_kwargs: Any,
+    ) -> None:
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"custom_reward_function.on_error={on_error!r}; choose one of {list(_ON_ERROR)}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(
+                f"custom_reward_function.timeout_s={timeout_s}; give a positive number of seconds, or null for no limit"
+            )
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine
+        self.has_rule_fn = compute_score is not None
+        self.compute_score = compute_score or default_compute_score
+        self.reward_fn_key = reward_fn_key
+        self.timeout_s = timeout_s
+        self.on_error = on_error
+        self.num_workers = num_workers or min(8, os.cpu_count() or 1)
+        self.reward_kwargs = reward_kwargs
+        self._pool: ScoringPool | None = None
+        if timeout_s is not None:
+            # Fails now (not at the first step) if the function cannot reach a scoring process.
+            self._pool = ScoringPool(self.compute_score, self.num_workers, timeout_s)
+
+    def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
+        """Token-level scores (N, L) float32; with `return_dict`, also ``reward_extra_info`` (per-sample
+        lists) and ``reward_metrics`` (``reward/errors``: samples scored 0 after a failure)."""
+        rm_scores = data.batch.get("rm_scores", None)
+        if rm_scores is not None and not self.has_rule_fn:
+            return (
+                {"reward_tensor": rm_scores, "reward_extra_info": {}, "reward_metrics": {}}
+                if return_dict
+                else rm_scores
+            )
+
+        prompt_len = data.batch["prompts"].shape[-1]
+        responses = data.batch["responses"]
+        response_lengths = data.batch["attention_mask"][:, prompt_len:].sum(-1).tolist()
+        solutions = self.tokenizer.batch_decode(
+            [responses[i, :length].tolist() for i, length in enumerate(response_lengths)], skip_special_tokens=True
+        )
+        data_sources = self._column(data, self.reward_fn_key, "data.reward_fn_key")
+        ground_truths = [
+            _ground_truth(entry, i) for i, entry in enumerate(self._column(data, "reward_model", "the dataset"))
+        ]
+        extra_infos = data.non_tensor_batch.get("extra_info", np.full(len(data), None, dtype=object))
+        calls = [
+            dict(
+                data_source=data_sources[i],
+                solution_str=solutions[i],
+                ground_truth=ground_truths[i],
+                extra_info=extra_infos[i],
+                **self.reward_kwargs,
+            )
+            for i in range(len(data))
+        ]
+
+        scores, extras, failures = self._score(calls)
+        reward_tensor = torch.zeros(responses.shape, dtype=torch.float32)
+        for i, length in enumerate(response_lengths):
+            # An empty response has no last token; its score goes to position 0 (outside the response mask).
+            reward_tensor[i, max(length - 1, 0)] = scores[i]
+        if rm_scores is not None:
+            reward_tensor = reward_tensor + rm_scores.to(torch.float32)
+
+        self._print_examples(data, prompt_len, solutions, data_sources, ground_truths, scores, extras)
+        if not return_dict:
+            return reward_tensor
+        extra_info = _as_lists(extras)
+        if self.on_error == "zero":
+            extra_info["reward_error"] = [i in failures for i in range(len(data))]
+        return {
+            "reward_tensor": reward_tensor,
+            "reward_extra_info": extra_info,
+            "reward_metrics": {"reward/errors": len(failures)},
+        }
+
+    def close(self) -> None:
+        """Stop the scoring processes (they also stop when this manager is garbage-collected)."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Processes do not travel (e.g. into a Ray task); the copy starts its own.
+        state = dict(self.__dict__)
+        state["_pool"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.timeout_s is not None:
+            self._pool = ScoringPool(self.compute_score, self.num_workers, self.timeout_s)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _column(data: DataProto, key: str, source: str) -> np.ndarray:
+        if key not in data.non_tensor_batch:
+            raise KeyError(
+                f"reward: the batch has no non-tensor {key!r} (set by {source}); it has {sorted(data.non_tensor_batch)}"
+            )
+        return data.non_tensor_batch[key]
+
+    def _score(self, calls: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, Any]], dict[int, str]]:
+        """Run every call; per sample its score and extra keys, plus {index: reason} for failures."""
+        if self._pool is None:
+            outcomes = [_call_inline(self.compute_score, call) for call in calls]
+        else:
+            outcomes = self._pool.map(calls, stop_on_error=self.on_error == "raise")
+        scores, extras, failures = [0.0] * len(calls), [{} for _ in calls], {}
+        for i, outcome in enumerate(outcomes):
+            if outcome is None:  # not run: an earlier failure stopped the batch
+                continue
+            parsed = _parse_result(outcome)
+            if isinstance(parsed, str):
+                failures[i] = parsed
+            else:
+                scores[i], extras[i] = parsed
+        if failures:
+            first = min(failures)
+            where = f"sample {first} (data_source={calls[first]['data_source']!r})"
+            if self.on_error == "raise":
+                raise RewardFunctionError(
+                    f"reward function {self.compute_score!r} failed on {where}: {failures[first]}\n"
+                    "Fix the function, or set custom_reward_function.on_error=zero to score such samples 0"
+                )
+            print(
+                f"[reward] {len(failures)}/{len(calls)} samples failed and were scored 0 (on_error=zero); "
+                f"first: {where}: {failures[first]}"
+            )
+        return scores, extras, failures
+
+    def _print_examples(
+        self,
+        data: DataProto,
+        prompt_len: int,
+        solutions: list[str],
+        data_sources: np.ndarray,
+        ground_truths: list[Any],
+        scores: list[float],
+        extras: list[dict[str, Any]],
+    ) -> None:
+        printed: dict[str, int] = {}
+        for i, data_source in enumerate(data_sources):
+            if printed.get(data_source, 0) >= self.num_examine:
+                continue
+            printed[data_source] = printed.get(data_source, 0) + 1
+            prompt_mask = data.batch["attention_mask"][i, :prompt_len].bool()
+            prompt = self.tokenizer.decode(data.batch["prompts"][i][prompt_mask].tolist(), skip_special_tokens=True)
+            print(
+                f"[prompt] {prompt}\n[response] {solutions[i]}\n[ground_truth] {ground_truths[i]}\n[score] {scores[i]}"
+            )
+            for key, value in extras[i].items():
+                print(f"[{key}] {value}")
+
+
+def _ground_truth(entry: Any, index: int) -> Any:
+    if not isinstance(entry, dict) or "ground_truth" not in entry:
+        raise KeyError(
+            f"reward: sample {index} has reward_model={entry!r}; rule-based scoring needs a dict with a "
+            "'ground_truth' key (see the data schema in examples/data_preprocess/gsm8k.py)"
+        )
+    return entry["ground_truth"]
+
+
+def _call_inline(fn: Callable[..., Any], call: dict[str, Any]) -> CallResult:
+    try:
+        return CallResult(value=fn(**call))
+    except Exception:  # noqa: BLE001 - user code: the caller decides (raise or score 0)
+        return CallResult(error=traceback.format_exc())
+
+
+def _parse_result(outcome: CallResult) -> tuple[float, dict[str, Any]] | str:
+    """(score, extra keys) from a call's outcome, or the reason it is unusable."""
+    if not outcome.ok:
+        return outcome.error
+    value, extras = outcome.value, {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return f"returned a dict without a 'score' key (keys: {sorted(value)})"
+        extras = {key: item for key, item in value.items() if key != "score"}
+        value = value["score"]
+    if not isinstance(value, (numbers.Real, np.bool_)):
+        return f"returned {value!r} ({type(value).__name__}); return a float/int/bool or a dict with a 'score' key"
+    score = float(value)
+    if not math.isfinite(score):
+        return f"returned {score}; scores must be finite numbers"
+    return score, extras
+
+
+def _as_lists(extras: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-sample dicts → one list per key (None where a sample lacks the key), keys in first-seen order."""
+    keys = list(dict.fromkeys(key for sample in extras for key in sample))
+    return {key: [sample.get(key) for sample in extras] for key in keys}

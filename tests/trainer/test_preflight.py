@@ -1,0 +1,80 @@
+"""Impossible configurations fail fast (before Ray or any model), with a message naming the keys."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hflow.trainer.main_ppo import CONFIG_DIR
+from hflow.trainer.preflight import preflight_check
+from hflow.workers.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preflight")
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    (model / "model.safetensors").write_bytes(b"")
+    for name in ("train.parquet", "val.parquet"):
+        (root / name).write_bytes(b"")
+    return root
+
+
+def make_config(files: Path, *overrides: str):
+    base = [
+        f"actor_rollout_ref.model.path={files / 'model'}",
+        f"data.train_files={files / 'train.parquet'}",
+        f"data.val_files={files / 'val.parquet'}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.n_gpus_per_node=2",
+    ]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=base + list(overrides))
+
+
+def test_the_base_config_passes(files):
+    preflight_check(make_config(files))
+    preflight_check(make_config(files, "algorithm.adv_estimator=grpo"))
+
+
+INVALID = [
+    (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+     ["data.train_batch_size", "actor_rollout_ref.rollout.n", "n_gpus_per_node"]),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], ["ppo_mini_batch_size", "data.train_batch_size"]),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], ["ppo_micro_batch_size_per_gpu"]),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], ["tensor_model_parallel_size"]),
+    (["critic.model.path=null"], ["critic.model.path", "gae"]),
+    (["data.train_files=/nonexistent/train.parquet"], ["data.train_files", "/nonexistent/train.parquet"]),
+    (["actor_rollout_ref.model.path=/nonexistent/model"], ["actor_rollout_ref.model.path"]),
+    (["algorithm.adv_estimator=ppo2"], ["algorithm.adv_estimator", "grpo"]),
+    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=8",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+     ["actor_rollout_ref.rollout.n"]),
+    (["actor_rollout_ref.actor.loss_agg_mode=mean"], ["loss_agg_mode"]),
+    (["actor_rollout_ref.rollout.name=sglang"], ["actor_rollout_ref.rollout.name"]),
+    (["data.max_prompt_length=500", "data.max_response_length=100"], ["max_prompt_length", "max_position_embeddings"]),
+    (["trainer.logger=[console,neptune]"], ["trainer.logger", "neptune"]),
+    (["trainer.resume_mode=resume_path"], ["trainer.resume_from_path"]),
+    (["custom_reward_function.path=/nonexistent/reward.py"], ["custom_reward_function.path"]),
+    (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k9"], ["kl_loss_type"]),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=trpo"], ["loss_mode"]),
+    (["trainer.n_gpus_per_node=0"], ["n_gpus_per_node"]),
+]
+
+
+@pytest.mark.parametrize("overrides,named", INVALID, ids=[o[0] for o, _ in INVALID])
+def test_invalid_config_fails_fast_naming_the_keys(files, overrides, named):
+    config = make_config(files, *overrides)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config)
+    assert time.monotonic() - start < 5
+    for word in named:
+        assert word in str(err.value), f"{word!r} not in: {err.value}"
