@@ -77,6 +77,11 @@ def ray_resource() -> str:
     return "GPU" if is_cuda() else "CPU"
 
 
+def compute_dtype() -> torch.dtype:
+    """Default dtype for forward passes and generation: bf16 on GPU, fp32 on CPU (exact, and fast enough)."""
+    return torch.bfloat16 if is_cuda() else torch.float32
+
+
 def synchronize() -> None:
     if is_cuda():
         torch.cuda.synchronize()

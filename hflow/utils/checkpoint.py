@@ -1,0 +1,224 @@
+"""Checkpoints of FSDP2 models: sharded training state, and a plain Hugging Face export.
+
+Training state (`FSDPCheckpointManager`): the model and optimizer are saved with
+`torch.distributed.checkpoint` (each rank writes its own shards, any world size can load them), the LR
+scheduler and every RNG stream per rank with `torch.save`. A checkpoint is written into a temporary
+folder beside its destination and renamed into place only when every rank has finished, so an
+interrupted save never damages the previous checkpoint and never leaves a half-written one under the
+real name.
+
+Layout of a checkpoint folder:
+
+    model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
+    extra_rank_<r>.pt       LR scheduler state and RNG states of rank r
+    huggingface/            (contents include "hf_model") config, tokenizer, safetensors
+
+The Hugging Face export (`save_hf_model`) gathers full parameters one tensor at a time and writes
+safetensors that `transformers` and vLLM load as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hflow.utils import device
+
+_TMP_SUFFIX = ".incomplete"
+_OLD_SUFFIX = ".replaced"
+_SHARD_BYTES = 4 * 2**30  # safetensors files of at most ~4 GiB, as Hugging Face does
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.is_cuda():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.is_cuda():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The usable checkpoint at `path`: itself, or the copy it replaced if a save died mid-rename."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    replaced = path.with_name(path.name + _OLD_SUFFIX)
+    return replaced if replaced.is_dir() else None
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Move a completely written `tmp` folder to `final` (rank 0 only), replacing any older copy.
+
+    Until the second rename, `final` or its `.replaced` copy is a complete checkpoint.
+    """
+    old = final.with_name(final.name + _OLD_SUFFIX)
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+class FSDPCheckpointManager:
+    """Save and load the sharded training state of one FSDP2 model (all ranks call both)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler=None, tokenizer=None, contents: Iterable[str] = ("model", "optimizer", "extra")):
+        unknown = set(contents) - {"model", "optimizer", "extra", "hf_model"}
+        if unknown:
+            raise ValueError(
+                f"checkpoint.contents has unknown entries {sorted(unknown)}; use model, optimizer, extra, hf_model"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.tokenizer = tokenizer
+        self.contents = set(contents)
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {}
+        if "model" in self.contents:
+            state["model"] = get_model_state_dict(self.model)
+        if "optimizer" in self.contents and self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return state
+
+    def save_checkpoint(self, path: str | os.PathLike, global_step: int = 0) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        final = Path(path)
+        tmp = final.with_name(final.name + _TMP_SUFFIX)
+        if _rank() == 0:
+            if tmp.exists():  # left by an earlier save that died
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = self._state()
+        if state:
+            dcp.save(state, checkpoint_id=str(tmp / "model_optim"))
+        if "extra" in self.contents:
+            extra = {"rng": rng_state(), "global_step": global_step}
+            if self.lr_scheduler is not None:
+                extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+            torch.save(extra, tmp / f"extra_rank_{_rank()}.pt")
+        if "hf_model" in self.contents:
+            save_hf_model(self.model, tmp / "huggingface", tokenizer=self.tokenizer)
+        _barrier()
+        if _rank() == 0:
+            commit_folder(tmp, final)
+        _barrier()
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore model, optimizer, scheduler and this rank's RNG; returns the extra dict (or {})."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        found = resolve_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint at {path} (a folder written by save_checkpoint)")
+        state = self._state()
+        if state:
+            dcp.load(state, checkpoint_id=str(found / "model_optim"))
+            if "model" in state:
+                set_model_state_dict(self.model, state["model"])
+            if "optimizer" in state:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        extra_path = found / f"extra_rank_{_rank()}.pt"
+        if "extra" not in self.contents or not extra_path.exists():
+            return {}
+        extra = torch.load(extra_path, weights_only=False)
+        if self.lr_scheduler is not None and "lr_scheduler" in extra:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        set_rng_state(extra["rng"])
+        return extra
+
+
+def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
+                  dtype: torch.dtype | None = None) -> None:
+    """Write `model` (FSDP2-sharded or plain) as a Hugging Face folder: config, tokenizer, safetensors.
+
+    Every rank takes part in gathering each full parameter (one at a time, so peak memory is one full
+    tensor on the device); rank 0 keeps them on CPU and writes the files, into a temporary folder that
+    is renamed into place when complete.
+    """
+    from safetensors.torch import save_file
+
+    from hflow.utils.fsdp_utils import iter_full_params
+
+    final = Path(path)
+    config = getattr(model, "config", None)
+    tied = bool(config is not None and getattr(config, "tie_word_embeddings", False))
+    tensors = {}
+    for name, tensor in iter_full_params(model):
+        if _rank() == 0 and not (tied and name == "lm_head.weight"):
+            tensors[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+    if _rank() != 0:
+        _barrier()
+        return
+    tmp = final.with_name(final.name + _TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    shards = _split_into_shards(tensors)
+    if len(shards) == 1:
+        save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, tmp / filename, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, filename))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if config is not None:
+        config.save_pretrained(tmp)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    commit_folder(tmp, final)
+    _barrier()
+
+
+def _split_into_shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > _SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    shards.append(current)
+    return shards

@@ -1,0 +1,413 @@
+"""Building, sharding and moving the models that the training workers own (FSDP2 only).
+
+A worker builds its model in four steps, the same on an 8-GPU node and on a CPU machine:
+
+    mesh  = build_device_mesh(world_size)
+    model = load_causal_lm(path, dtype=torch.float32)          # or load_value_model(...) for a critic
+    enable_gradient_checkpointing(model)                       # optional, before sharding
+    apply_fsdp2(model, mesh)                                   # each decoder layer, then the root
+    optimizer = build_optimizer(model.parameters(), optim_cfg)
+
+Everything that depends on the hardware (mesh device, default mixed precision, attention kernel,
+whether host offloading means anything) is asked of `hflow.utils.device`; nothing here inspects the
+hardware itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
+
+from hflow.utils import device
+from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+__all__ = [
+    "apply_fsdp2",
+    "build_device_mesh",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "clean_param_name",
+    "clip_grad_norm_and_step",
+    "default_attn_implementation",
+    "default_mixed_precision",
+    "enable_gradient_checkpointing",
+    "fsdp_clip_grad_norm",
+    "iter_full_params",
+    "load_causal_lm",
+    "load_fsdp_model_to_device",
+    "load_optimizer",
+    "load_value_model",
+    "offload_fsdp_model_to_cpu",
+    "offload_optimizer",
+    "reshard_fsdp_model",
+    "to_torch_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+# Name segments that wrappers (FSDP1, torch activation checkpointing, torch.compile) insert into
+# parameter names; Hugging Face checkpoints and vLLM know the names without them.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+# Seed of the value head's initialisation (see `load_value_model`).
+_VALUE_HEAD_SEED = 0
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def to_torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """`torch.bfloat16` from "bf16" / "bfloat16" / torch.bfloat16 (config values are strings);
+    None (a `model_dtype: null` in the config) is fp32."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Mesh and models
+# --------------------------------------------------------------------------------------------------
+
+
+def build_device_mesh(world_size: int) -> DeviceMesh:
+    """1-D data-parallel mesh `("fsdp",)` over all ranks, on this process's device type.
+
+    torch.distributed must already be initialised with `device.dist_backend()`.
+    """
+    return init_device_mesh(device.device_name(), (world_size,), mesh_dim_names=("fsdp",))
+
+
+def default_attn_implementation() -> str:
+    """flash_attention_2 on GPUs where flash-attn is installed, else PyTorch SDPA."""
+    if device.is_cuda() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _load_config(
+    path: str, override_config: Mapping[str, Any] | None, trust_remote_code: bool, **fixed: Any
+) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _apply_overrides(config, dict(override_config or {}))
+    _apply_overrides(config, fixed)
+    return config
+
+
+def _apply_overrides(config: PretrainedConfig, overrides: Mapping[str, Any]) -> None:
+    """Set `overrides` on `config`, recursing into nested sub-configs (e.g. `text_config`)."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            _apply_overrides(current, value)
+        else:
+            setattr(config, key, value)
+
+
+def load_causal_lm(
+    path: str,
+    dtype: str | torch.dtype | None = None,
+    override_config: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """A Hugging Face causal LM from a local folder, on the host, in `dtype` (None: fp32).
+
+    fp32 is the right dtype for a trained actor (the optimizer keeps fp32 master weights; FSDP mixed
+    precision computes in bf16); a frozen reference can load in bf16. `attn_implementation=None`
+    picks `default_attn_implementation()`.
+    """
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        config=_load_config(path, override_config, trust_remote_code),
+        dtype=to_torch_dtype(dtype),
+        attn_implementation=attn_implementation or default_attn_implementation(),
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def load_value_model(
+    path: str,
+    dtype: str | torch.dtype | None = None,
+    override_config: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """The critic: the causal LM's backbone with a new linear value head per token.
+
+    This is `AutoModelForTokenClassification` with one label, loaded from a causal-LM folder: the
+    backbone weights (`model.*`) are the policy's, the LM head is dropped and `score` (hidden -> 1)
+    is new. The HF class (rather than a hand-written wrapper) keeps `_no_split_modules`, gradient
+    checkpointing and `save_pretrained` working, so a critic checkpoint is an ordinary HF folder.
+    Output: `.logits` of shape (batch, seq, 1) = V of the state after reading token t.
+
+    Dropout on the head is switched off (HF defaults it to 0.1 when the config names none): it would
+    make the values of the update differ from those of `compute_values`. The head is initialised
+    from a fixed seed (HF's normal(0, initializer_range), zero bias), so every rank and every run
+    starts from the same critic without a broadcast.
+    """
+    model = AutoModelForTokenClassification.from_pretrained(
+        path,
+        config=_load_config(path, override_config, trust_remote_code, num_labels=1, classifier_dropout=0.0),
+        dtype=to_torch_dtype(dtype),
+        attn_implementation=attn_implementation or default_attn_implementation(),
+        trust_remote_code=trust_remote_code,
+    )
+    head: nn.Linear = model.score
+    generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        if head.bias is not None:
+            head.bias.zero_()
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward; call before `apply_fsdp2`.
+
+    Non-reentrant checkpointing is the variant that composes with FSDP2's hooks.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------------
+
+
+def default_mixed_precision() -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPU, where hflow runs tests and
+    small examples that compare log-probabilities to 1e-5."""
+    if device.is_cuda():
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _mixed_precision_policy(mixed_precision: MixedPrecisionPolicy | Mapping[str, Any] | None) -> MixedPrecisionPolicy:
+    """The policy from `fsdp_config.mixed_precision`: null, or `{param_dtype, reduce_dtype,
+    output_dtype}` as dtype names (missing ones keep the parameter dtype)."""
+    if mixed_precision is None:
+        return default_mixed_precision()
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision
+    known = {"param_dtype", "reduce_dtype", "output_dtype"}
+    unknown = set(mixed_precision) - known
+    if unknown:
+        raise ValueError(f"fsdp_config.mixed_precision: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return MixedPrecisionPolicy(
+        **{key: to_torch_dtype(value) for key, value in mixed_precision.items() if value is not None}
+    )
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: modules whose class is in `_no_split_modules` (HF's list of
+    blocks that must stay whole), else the entries of `model.model.layers`."""
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not layers:
+        backbone = getattr(model, "model", None)
+        layers = list(getattr(backbone, "layers", []) or [])
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: it names no `_no_split_modules` "
+            "and has no `model.layers`; FSDP2 needs them to shard layer by layer"
+        )
+    return layers
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mixed_precision: MixedPrecisionPolicy | Mapping[str, Any] | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
+    takes what is left (embeddings, final norm, LM / value head). Returns the same object.
+
+    The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
+    backward needs them first); after an inference-only pass call `reshard_fsdp_model`.
+    `cpu_offload` keeps the shards, gradients and optimizer step on the host for good (FSDP2's
+    `CPUOffloadPolicy`; meaningless, and skipped, on CPU); do not combine it with the per-phase
+    `offload_*` / `load_*` helpers below, which would move that state back to the device.
+    """
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
+    kwargs["offload_policy"] = CPUOffloadPolicy() if cpu_offload and device.is_cuda() else OffloadPolicy()
+    for layer in _decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def reshard_fsdp_model(model: nn.Module) -> None:
+    """Free every gathered parameter of `model` after a forward that has no backward (log-probs, values).
+
+    Without a backward, nothing reshards the root (see `apply_fsdp2`), nor the layers when
+    `reshard_after_forward` is off: a full copy of them, in the compute dtype, would stay on the
+    device and be what `named_parameters()` returns. A no-op for modules that are not FSDP-sharded.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def fsdp_clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to `max_norm` and return it before
+    clipping; `max_norm=None` only measures. May be inf or nan: the caller decides to skip the step."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        # FSDP2: each rank holds the norm of its shards; reduce them on the compute device, since
+        # host-offloaded gradients give a host tensor that NCCL cannot reduce.
+        norm = norm.to(device.get_device()).full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
+    return float(norm)
+
+
+def clip_grad_norm_and_step(model: nn.Module, optimizer: Optimizer, max_norm: float | None) -> float:
+    """One optimizer step after clipping the global gradient norm; the step is skipped when that norm
+    is inf or nan (a step would poison the weights). Gradients are freed either way. Returns the norm."""
+    grad_norm = fsdp_clip_grad_norm(model, max_norm)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def clean_param_name(name: str) -> str:
+    """The Hugging Face checkpoint name of a (possibly wrapped) module's parameter or buffer."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter and persistent buffer, one at a time.
+
+    The names are those of the unwrapped model's `state_dict()`, except that a tied parameter is
+    yielded once, under its first name (e.g. `model.embed_tokens.weight`, not also `lm_head.weight`):
+    HF and vLLM loaders re-tie it. Each sharded parameter is all-gathered when the consumer asks for it,
+    so at most one full tensor exists beside the shards; every rank must consume the generator in the
+    same order (each gather is a collective).
+    """
+    reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield clean_param_name(name), full.detach()
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            yield clean_param_name(name), buffer.detach()
+
+
+# --------------------------------------------------------------------------------------------------
+# Offloading between phases (no-ops when the device is the host)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def offload_fsdp_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
+    """Move the parameter shards (and buffers) to host memory to free the device for another phase.
+
+    `nn.Module.to` is the FSDP2-aware way: FSDPModule reshards first and re-registers the moved shards.
+    """
+    model.to("cpu")
+    if empty_cache:
+        device.empty_cache()
+
+
+@torch.no_grad()
+def load_fsdp_model_to_device(model: nn.Module) -> None:
+    """Bring the parameter shards back to this process's device."""
+    model.to(device.get_device())
+
+
+def _move_optimizer_state(optimizer: Optimizer, target: torch.device | str) -> None:
+    # 0-dim entries (Adam's `step`) stay where the optimizer keeps them (on the host unless
+    # capturable); moving them would only force a sync per step.
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = value.to(target)
+
+
+@torch.no_grad()
+def offload_optimizer(optimizer: Optimizer, empty_cache: bool = True) -> None:
+    """Move the optimizer state (Adam moments: twice the parameter shards) to host memory."""
+    _move_optimizer_state(optimizer, "cpu")
+    if empty_cache:
+        device.empty_cache()
+
+
+@torch.no_grad()
+def load_optimizer(optimizer: Optimizer) -> None:
+    """Bring the optimizer state back to this process's device before a step."""
+    _move_optimizer_state(optimizer, device.get_device())
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer and learning-rate schedule
+# --------------------------------------------------------------------------------------------------
+
+
+def build_optimizer(params: Iterable[nn.Parameter], optim_cfg: Mapping[str, Any]) -> Optimizer:
+    """AdamW from `optim.lr`, `optim.betas` (default (0.9, 0.999)) and `optim.weight_decay` (default 0.01)."""
+    betas = optim_cfg.get("betas") or (0.9, 0.999)
+    return torch.optim.AdamW(
+        params,
+        lr=float(optim_cfg["lr"]),
+        betas=(float(betas[0]), float(betas[1])),
+        weight_decay=float(optim_cfg.get("weight_decay", 0.01)),
+    )
+
+
+def build_lr_scheduler(optimizer: Optimizer, optim_cfg: Mapping[str, Any], total_steps: int) -> LambdaLR:
+    """LR schedule of `optim.warmup_style` (`constant` or `cosine`) over `total_steps` optimizer-schedule
+    steps. Warmup lasts `optim.lr_warmup_steps`, or when that is negative
+    `int(optim.lr_warmup_steps_ratio * total_steps)`."""
+    warmup = int(optim_cfg.get("lr_warmup_steps", -1))
+    if warmup < 0:
+        warmup = int(float(optim_cfg.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
+    style = optim_cfg.get("warmup_style", "constant")
+    if style == "constant":
+        return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+    if style == "cosine":
+        return get_cosine_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
+            min_lr_ratio=float(optim_cfg.get("min_lr_ratio") or 0.0),
+            num_cycles=float(optim_cfg.get("num_cycles", 0.5)),
+        )
+    raise ValueError(f"optim.warmup_style={style!r} is not supported; use 'constant' or 'cosine'")

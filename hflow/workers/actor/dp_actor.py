@@ -1,0 +1,224 @@
+"""The PPO actor on a data-parallel (FSDP2) module: log-probabilities of responses and the policy update.
+
+Shapes: a batch row is a left-padded prompt followed by a right-padded response, `input_ids`
+(B, T) with T = P + L and `responses` (B, L). The logit at position t predicts token t+1, so the
+response tokens are scored by the logits at positions T-L-1 ... T-2. Only those L positions go
+through the LM head (`logits_to_keep`); the prompt positions' logits are never built.
+
+Loss scaling. A mini-batch (one optimizer step) is split across the data-parallel ranks and, on
+each rank, into micro-batches (one backward each). Every loss term is aggregated with the
+mini-batch-wide denominators of `core_algos.GlobalBatchInfo` (token or sequence count summed over all
+ranks) and multiplied by the number of ranks D, because FSDP averages gradients over ranks:
+
+    loss_micro = sum_{tokens in micro} l * m / N_global * D              (token-mean)
+    grad = (1/D) sum_ranks sum_micros grad(loss_micro) = grad(sum_{mini-batch} l * m / N_global)
+
+which is the gradient of the loss over the whole mini-batch, whatever the micro-batch size, token
+budget or number of ranks. Metrics follow the same rule: each rank reports its summed share times
+D, and the mean over ranks that the driver takes is the mini-batch value.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from torch.optim import Optimizer
+
+from hflow.protocol import DataProto
+from hflow.trainer.ppo.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
+from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
+from hflow.utils.seqlen_balancing import split_micro_batches, split_mini_batches
+from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from hflow.workers.actor.base import BasePPOActor
+
+__all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
+
+_FORWARD_KEYS = ("responses", "input_ids", "attention_mask", "position_ids")
+
+
+def require_temperature(meta_info: Mapping[str, Any]) -> float:
+    """The sampling temperature the responses were drawn at; there is no default on purpose: scoring
+    at another temperature than sampling silently biases every importance ratio."""
+    if "temperature" not in meta_info:
+        raise KeyError(
+            "meta_info['temperature'] is required: the rollout's sampling temperature (rollout.temperature), "
+            "by which the logits are divided before taking log-probabilities"
+        )
+    temperature = float(meta_info["temperature"])
+    if temperature <= 0:
+        raise ValueError(f"meta_info['temperature'] must be positive, got {temperature}")
+    return temperature
+
+
+def response_mask_of(batch: TensorDict) -> torch.Tensor:
+    """The tokens the loss counts: `response_mask` when the batch has one (multi-turn rollouts mask
+    observation tokens inside a response), else the response part of the attention mask."""
+    if "response_mask" in batch.keys():
+        return batch["response_mask"]
+    return batch["attention_mask"][:, -batch["responses"].shape[-1] :]
+
+
+class StepMetrics:
+    """Metrics of one optimizer step, accumulated over micro-batches (see the module docstring).
+
+    Values stay on the device until `flush_to`, so the micro-batch loop never waits for them.
+    """
+
+    def __init__(self, info: GlobalBatchInfo) -> None:
+        self.info = info
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value.detach().float()
+
+    def add_loss(self, name: str, value: torch.Tensor) -> None:
+        """A loss term already scaled by `GlobalBatchInfo`: its sum over micro-batches is this rank's share."""
+        self._add(name, value)
+
+    def add_token_mean(self, name: str, value: torch.Tensor, mask: torch.Tensor) -> None:
+        """A micro-batch token mean, weighted by the micro-batch's share of the mini-batch's tokens."""
+        self._add(name, value * (mask.sum() / max(self.info.num_tokens, 1.0) * self.info.dp_size))
+
+    def flush_to(self, metrics: dict[str, list[float]]) -> None:
+        for name, value in self.sums.items():
+            metrics[name].append(float(value))
+
+
+class DataParallelPPOActor(BasePPOActor):
+    """PPO policy (or, without an optimizer, a frozen reference policy) on an FSDP2-sharded HF causal LM.
+
+    `config` is `actor_rollout_ref.actor` (or `.ref`): batch sizes per rank, loss settings. The
+    module may also be an unwrapped HF model (single process), which tests use as the reference.
+    """
+
+    def __init__(self, config: Any, actor_module: nn.Module, actor_optimizer: Optimizer | None = None) -> None:
+        super().__init__(config)
+        self.actor_module = actor_module
+        self.actor_optimizer = actor_optimizer
+        self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode) if actor_optimizer else None
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    def _forward_micro_batch(
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`."""
+        responses = micro_batch["responses"]
+        response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
+        scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
+        logits = self.actor_module(
+            input_ids=micro_batch["input_ids"],
+            attention_mask=micro_batch["attention_mask"],
+            position_ids=micro_batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=scoring_positions,
+        ).logits
+        # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
+        # FSDP has hooked the output tensor, which an in-place op must not replace.
+        logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
+        log_probs = logprobs_from_logits(logits, responses)
+        entropy = entropy_from_logits(logits).float() if calculate_entropy else None
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of `responses` under the current weights, (N, L), rows in input order.
+
+        meta_info: `temperature` (required), and `micro_batch_size` or, with `use_dynamic_bsz`, the
+        token budget `max_token_len` per forward.
+        """
+        self.actor_module.eval()
+        meta = data.meta_info
+        temperature = require_temperature(meta)
+        micro_batches, reverse_idx = split_micro_batches(
+            data.batch.select(*_FORWARD_KEYS),
+            micro_batch_size=meta.get("micro_batch_size"),
+            max_token_len=meta.get("max_token_len"),
+            use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
+        )
+        outputs = [self._forward_micro_batch(mb, temperature, calculate_entropy) for mb in micro_batches]
+        reshard_fsdp_model(self.actor_module)
+        log_probs = torch.cat([lp for lp, _ in outputs])
+        entropys = torch.cat([ent for _, ent in outputs]) if calculate_entropy else None
+        if reverse_idx is not None:
+            reverse_idx = reverse_idx.to(log_probs.device)
+            log_probs = log_probs[reverse_idx]
+            entropys = entropys[reverse_idx] if entropys is not None else None
+        return log_probs, entropys
+
+    # ---- update -----------------------------------------------------------------------------------
+
+    def update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        """`ppo_epochs` passes over `data` in mini-batches of `ppo_mini_batch_size` sequences, one
+        optimizer step each. Returns metric lists with one entry per step."""
+        if self.actor_optimizer is None:
+            raise RuntimeError("this actor has no optimizer (a reference policy): it can only compute log-probs")
+        self.actor_module.train()
+        cfg = self.config
+        temperature = require_temperature(data.meta_info)
+        keys = [*_FORWARD_KEYS, "old_log_probs", "advantages"]
+        if cfg.use_kl_loss:
+            keys.append("ref_log_prob")
+        if "response_mask" in data.batch.keys():
+            keys.append("response_mask")
+        batch = data.batch.select(*keys)
+
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(cfg.ppo_epochs):
+            for mini_batch in split_mini_batches(
+                batch, cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, generator=None
+            ):
+                self._update_step(mini_batch, temperature, metrics)
+        return dict(metrics)
+
+    def _update_step(self, mini_batch: TensorDict, temperature: float, metrics: dict[str, list[float]]) -> None:
+        cfg = self.config
+        info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
+        step = StepMetrics(info)
+        micro_batches, _ = split_micro_batches(
+            mini_batch,
+            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            max_token_len=cfg.ppo_max_token_len_per_gpu,
+            use_dynamic_bsz=cfg.use_dynamic_bsz,
+        )
+        for micro_batch in micro_batches:
+            mask = response_mask_of(micro_batch)
+            log_prob, entropy = self._forward_micro_batch(
+                micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0
+            )
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                old_log_prob=micro_batch["old_log_probs"],
+                log_prob=log_prob,
+                advantages=micro_batch["advantages"],
+                response_mask=mask,
+                loss_agg_mode=cfg.loss_agg_mode,
+                config=cfg,
+                global_batch_info=info,
+            )
+            loss = pg_loss
+            step.add_loss("actor/pg_loss", pg_loss)
+            for name, value in pg_metrics.items():
+                step.add_token_mean(f"actor/{name}", value, mask)
+            if entropy is not None:
+                entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, info)
+                loss = loss - cfg.entropy_coeff * entropy_loss
+                step.add_loss("actor/entropy", entropy_loss)
+            if cfg.use_kl_loss:
+                kl = kl_penalty(log_prob, micro_batch["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                step.add_loss("actor/kl_loss", kl_loss)
+            loss.backward()
+
+        step.flush_to(metrics)
+        if cfg.use_kl_loss:
+            metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
+        grad_norm = clip_grad_norm_and_step(self.actor_module, self.actor_optimizer, cfg.grad_clip)
+        metrics["actor/grad_norm"].append(grad_norm)

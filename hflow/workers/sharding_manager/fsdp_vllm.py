@@ -1,0 +1,135 @@
+"""Hand an FSDP2-trained policy to the vLLM engine in the same process, and take the device back.
+
+    with sharding_manager:                      # weights FSDP -> vLLM, KV cache up, generation RNG
+        prompts = sharding_manager.preprocess_data(prompts)
+        output = rollout.generate_sequences(prompts)
+        output = sharding_manager.postprocess_data(output)
+                                                # engine asleep, training RNG back
+
+Weights travel one parameter at a time: each FSDP shard is all-gathered into a full tensor, handed
+to `vLLMRollout.update_weights` (vLLM's `reload_weights`, then a prefix-cache reset) and dropped, so
+at most one full parameter exists beside the shards. On CUDA the engine wakes in two stages, weights
+before the sync and KV cache after the gathered tensors are freed, so the cache can take the memory
+they used; on CPU there is no sleep mode and those steps do nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hflow.protocol import DataProto, all_gather_data_proto
+from hflow.utils.device import empty_cache, is_cuda
+from hflow.utils.fsdp_utils import iter_full_params, load_fsdp_model_to_device, offload_fsdp_model_to_cpu
+from hflow.workers.sharding_manager.base import BaseShardingManager
+
+if TYPE_CHECKING:
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+__all__ = ["FSDPVLLMShardingManager"]
+
+# Generation seeds of data-parallel ranks are this far apart, so `rollout.seed` values that differ
+# by less than this never give two ranks the same stream.
+DP_SEED_STRIDE = 1000
+
+
+class FSDPVLLMShardingManager(BaseShardingManager):
+    """Generation mode for a fused actor/rollout worker: FSDP2 `module` -> `rollout`'s vLLM engine.
+
+    `device_mesh` is the rollout mesh with dims `("dp", "infer_tp")`; without it the whole world is
+    data-parallel with TP=1. Generation draws from its own torch RNG stream, seeded with
+    `rollout.seed + 1000 * dp_rank` (ranks of one TP group must sample identically; DP replicas
+    must not), while the training RNG is saved on `__enter__` and restored on `__exit__`, so
+    training randomness does not depend on how many tokens were sampled. `offload_param` means the
+    FSDP shards live in host memory between steps: they visit the GPU only for the gather (on CPU
+    they are in host memory anyway). `last_sync_s` is the wall time of the latest weight sync.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rollout: vLLMRollout,
+        device_mesh: DeviceMesh | None = None,
+        offload_param: bool = False,
+    ) -> None:
+        self.module = module
+        self.rollout = rollout
+        self.device_mesh = device_mesh
+        self.offload_param = offload_param
+        if device_mesh is not None:
+            self.tp_size = device_mesh["infer_tp"].size()
+            self.tp_rank = device_mesh["infer_tp"].get_local_rank()
+            dp_rank = device_mesh["dp"].get_local_rank()
+        else:
+            self.tp_size, self.tp_rank = 1, 0
+            dp_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.last_sync_s = 0.0
+
+        training_rng = _get_rng_state()
+        seed = int(rollout.config.get("seed", 0)) + DP_SEED_STRIDE * dp_rank
+        torch.manual_seed(seed)  # seeds the CUDA generators too
+        self._generation_rng = _get_rng_state()
+        _set_rng_state(training_rng)
+        self._training_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __enter__(self) -> FSDPVLLMShardingManager:
+        started = time.perf_counter()
+        if self.offload_param:
+            load_fsdp_model_to_device(self.module)
+        self.rollout.wake_up(tags=["weights"])
+        # HF names, one full tensor at a time; every rank consumes them in the same order, since each
+        # gather is a collective.
+        self.rollout.update_weights(iter_full_params(self.module))
+        if self.offload_param:
+            offload_fsdp_model_to_cpu(self.module, empty_cache=False)
+        empty_cache()
+        self.rollout.wake_up(tags=["kv_cache"])
+        self.last_sync_s = time.perf_counter() - started
+
+        self._training_rng = _get_rng_state()
+        _set_rng_state(self._generation_rng)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._training_rng is None:
+            raise RuntimeError("FSDPVLLMShardingManager.__exit__ without a matching __enter__")
+        self._generation_rng = _get_rng_state()
+        _set_rng_state(self._training_rng)
+        self._training_rng = None
+        self.rollout.sleep(level=1)
+        empty_cache()
+
+    def preprocess_data(self, data: DataProto) -> DataProto:
+        """All ranks of a TP group generate the same requests: give each the union of the group's shards."""
+        if self.tp_size > 1:
+            all_gather_data_proto(data, self.device_mesh["infer_tp"].get_group())
+        return data
+
+    def postprocess_data(self, data: DataProto) -> DataProto:
+        """Keep this rank's share of the TP group's output, so the collect step sees each row once."""
+        if self.tp_size > 1:
+            return data.chunk(self.tp_size)[self.tp_rank]
+        return data
+
+
+def _get_rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host RNG (vLLM's CPU sampler draws its seeds from it) and, on CUDA, the device RNG."""
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state() if is_cuda() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    host, device = state
+    torch.random.set_rng_state(host)
+    if device is not None:
+        torch.cuda.set_rng_state(device)

@@ -1,0 +1,99 @@
+"""Sharded checkpoints (DCP) of an FSDP2 model: exact round trips, and saves that die half-way."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hflow.utils import fsdp_utils
+from hflow.utils.checkpoint import FSDPCheckpointManager, resolve_checkpoint
+from hflow.utils.tiny_models import build_causal_lm
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_causal_lm(tmp_path_factory.mktemp("ckpt_model") / "tiny", preset="tiny")
+
+
+def make_state(model_dir, mesh):
+    model = fsdp_utils.apply_fsdp2(fsdp_utils.load_causal_lm(str(model_dir)), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, seed):
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def full_params(model):
+    return {name: tensor.clone() for name, tensor in fsdp_utils.iter_full_params(model)}
+
+
+def test_save_load_round_trip_is_exact_and_training_continues_identically(model_dir, world_of_one, tmp_path):
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    manager = FSDPCheckpointManager(model, optimizer, scheduler)
+    train_step(model, optimizer, scheduler, seed=0)
+    manager.save_checkpoint(tmp_path / "step1", global_step=1)
+    saved = full_params(model)
+    torch.manual_seed(123)
+    train_step(model, optimizer, scheduler, seed=1)
+    uninterrupted = full_params(model)
+
+    extra = manager.load_checkpoint(tmp_path / "step1")
+    assert extra["global_step"] == 1
+    for name, tensor in full_params(model).items():
+        assert torch.equal(tensor, saved[name]), name
+    torch.manual_seed(123)
+    train_step(model, optimizer, scheduler, seed=1)  # needs optimizer and scheduler state restored
+    for name, tensor in full_params(model).items():
+        assert torch.equal(tensor, uninterrupted[name]), name
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_usable(model_dir, world_of_one, tmp_path, monkeypatch):
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    manager = FSDPCheckpointManager(model, optimizer, scheduler)
+    path = tmp_path / "ckpt"
+    manager.save_checkpoint(path, global_step=1)
+    saved = full_params(model)
+    train_step(model, optimizer, scheduler, seed=0)
+
+    real_save = dcp.save
+
+    def dies_after_writing(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(dcp, "save", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save_checkpoint(path, global_step=2)  # overwrite in place: dies before the rename
+    with pytest.raises(KeyboardInterrupt):
+        manager.save_checkpoint(tmp_path / "never", global_step=2)
+    monkeypatch.setattr(dcp, "save", real_save)
+
+    assert not (tmp_path / "never").exists()  # no half-written checkpoint under a real name
+    assert manager.load_checkpoint(path)["global_step"] == 1
+    for name, tensor in full_params(model).items():
+        assert torch.equal(tensor, saved[name]), name
+    # A later save cleans up the leftover and succeeds.
+    manager.save_checkpoint(path, global_step=3)
+    assert manager.load_checkpoint(path)["global_step"] == 3
+
+
+def test_a_save_that_dies_between_the_two_renames_is_still_found(model_dir, world_of_one, tmp_path):
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    manager = FSDPCheckpointManager(model, optimizer, scheduler)
+    path = tmp_path / "ckpt"
+    manager.save_checkpoint(path, global_step=5)
+    path.rename(path.with_name("ckpt.replaced"))  # the state right after moving the old copy aside
+    assert resolve_checkpoint(path) == path.with_name("ckpt.replaced")
+    assert manager.load_checkpoint(path)["global_step"] == 5
+
+
+def test_unknown_contents_are_rejected(model_dir, world_of_one):
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    with pytest.raises(ValueError, match="hf_model"):
+        FSDPCheckpointManager(model, optimizer, scheduler, contents=["model", "weights"])

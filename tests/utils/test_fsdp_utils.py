@@ -1,0 +1,240 @@
+"""fsdp_utils: model loading (policy and value model), FSDP2 wrapping, full-parameter export, gradient
+clipping, offloading, optimizer and LR schedule.
+
+FSDP2 runs here on a process group of one (in this process, on this machine's device); the two-rank
+gather and the global gradient norm are covered by `tests/workers/test_dp_actor.py`, whose two-rank
+run exports its parameters with `iter_full_params` and compares them with a one-process run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from hflow.utils import device
+from hflow.utils.fsdp_utils import (
+    apply_fsdp2,
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_and_step,
+    default_attn_implementation,
+    enable_gradient_checkpointing,
+    fsdp_clip_grad_norm,
+    iter_full_params,
+    load_causal_lm,
+    load_fsdp_model_to_device,
+    load_optimizer,
+    load_value_model,
+    offload_fsdp_model_to_cpu,
+    offload_optimizer,
+    reshard_fsdp_model,
+)
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+
+
+def save_model(path: Path, arch: str = "qwen2", tie_word_embeddings: bool = False) -> Path:
+    torch.manual_seed(0)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = config_cls(vocab_size=100, max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings, **SHAPE)
+    model_cls(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_model(tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def mesh(world_of_one):
+    return world_of_one
+
+
+def inputs(batch: int = 3, seq: int = 7) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (batch, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        k: v.to(device.get_device())
+        for k, v in dict(input_ids=ids, attention_mask=mask, position_ids=position_ids).items()
+    }
+
+
+# ------------------------------------------------------------------ loading
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_value_model_is_the_policy_backbone_with_a_deterministic_scalar_head(tmp_path: Path, arch: str):
+    path = save_model(tmp_path, arch)
+    policy = load_causal_lm(str(path)).state_dict()
+    critic = load_value_model(str(path))
+    state = critic.state_dict()
+    assert {k for k in state if not k.startswith("model.")} == {"score.weight", "score.bias"}
+    assert state["score.weight"].shape == (1, SHAPE["hidden_size"])
+    for key in (k for k in state if k.startswith("model.")):
+        assert torch.equal(state[key], policy[key]), key
+    # the same head on every load (every rank, every run), and no dropout: train-mode values repeat
+    torch.manual_seed(123)
+    assert torch.equal(load_value_model(str(path)).score.weight, critic.score.weight)
+    critic.train()
+    x = {k: v.cpu() for k, v in inputs().items()}
+    values = critic(**x).logits
+    assert values.shape == (3, 7, 1)
+    assert torch.equal(values, critic(**x).logits)
+
+
+def test_load_causal_lm_applies_overrides_dtype_and_attention(model_dir: Path):
+    model = load_causal_lm(str(model_dir), dtype="bf16", override_config={"rope_theta": 5000.0})
+    assert model.config.rope_theta == 5000.0 or model.config.rope_parameters["rope_theta"] == 5000.0
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.config._attn_implementation == default_attn_implementation()
+    # lm_head is a causal LM's, not a value head
+    assert model.lm_head.weight.shape == (100, SHAPE["hidden_size"])
+    # `model_dtype: null` in the config means fp32 master weights
+    assert next(load_causal_lm(str(model_dir), dtype=None).parameters()).dtype == torch.float32
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(model_dir: Path):
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = load_causal_lm(str(model_dir))
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+            assert model.is_gradient_checkpointing
+        model.train()
+        model(**{k: v.cpu() for k, v in inputs().items()}).logits.square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain, checkpointed = grads(False), grads(True)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ FSDP2
+
+
+def test_apply_fsdp2_shards_every_decoder_layer_and_the_root(model_dir: Path, mesh):
+    model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_iter_full_params_yields_the_unwrapped_state_dict(tmp_path: Path, mesh, tied: bool):
+    path = save_model(tmp_path, tie_word_embeddings=tied)
+    expected = load_causal_lm(str(path)).state_dict()
+    model = apply_fsdp2(load_causal_lm(str(path)), mesh)
+    exported = dict(iter_full_params(model))
+    # a tied head is the embedding: exported once, under the embedding's name
+    assert set(exported) == set(expected) - ({"lm_head.weight"} if tied else set())
+    for name, tensor in exported.items():
+        assert not isinstance(tensor, DTensor)
+        torch.testing.assert_close(tensor.cpu(), expected[name], atol=0, rtol=0, msg=name)
+
+
+def test_mixed_precision_from_config_mapping_and_resharding(model_dir: Path, mesh):
+    expected = load_causal_lm(str(model_dir)).state_dict()
+    model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param_dtype": "bf16"})
+    with torch.no_grad():
+        assert model(**inputs()).logits.dtype == torch.bfloat16
+    # without a backward the root stays gathered, in bf16, until resharded
+    assert any(p.dtype == torch.bfloat16 for p in model.parameters())
+    reshard_fsdp_model(model)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())
+    # the export reshards by itself: fp32 master weights, not the bf16 compute copies
+    model(**inputs())
+    for name, tensor in iter_full_params(model):
+        assert torch.equal(tensor.cpu(), expected[name]), name
+    with pytest.raises(ValueError, match="unknown keys"):
+        apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param": "bf16"})
+
+
+def test_clip_grad_norm_is_the_norm_of_the_unwrapped_model(model_dir: Path, mesh):
+    plain = load_causal_lm(str(model_dir))
+    sharded = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
+    plain(**{k: v.cpu() for k, v in inputs().items()}).logits.square().mean().backward()
+    sharded(**inputs()).logits.square().mean().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
+
+    norm = fsdp_clip_grad_norm(sharded, max_norm=None)  # measure only
+    assert isinstance(norm, float) and norm == pytest.approx(expected, rel=1e-5)
+    assert fsdp_clip_grad_norm(sharded, max_norm=norm / 4) == pytest.approx(expected, rel=1e-5)
+    assert fsdp_clip_grad_norm(sharded, max_norm=None) == pytest.approx(norm / 4, rel=1e-4)
+
+
+def test_non_finite_gradient_skips_the_step(model_dir: Path, mesh):
+    model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
+    optimizer = build_optimizer(model.parameters(), {"lr": 0.1})
+    before = {n: t.clone() for n, t in iter_full_params(model)}
+    (model(**inputs()).logits.sum() * float("inf")).backward()
+    assert not math.isfinite(clip_grad_norm_and_step(model, optimizer, max_norm=1.0))
+    assert all(p.grad is None for p in model.parameters())
+    for name, tensor in iter_full_params(model):
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_offload_and_reload_keep_model_and_optimizer_state(model_dir: Path, mesh):
+    model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
+    optimizer = build_optimizer(model.parameters(), {"lr": 1e-3})
+    model(**inputs()).logits.mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        expected = model(**inputs()).logits
+    state_before = {k: v.full_tensor().cpu() for k, v in next(iter(optimizer.state.values())).items() if v.dim()}
+
+    offload_fsdp_model_to_cpu(model)
+    offload_optimizer(optimizer)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    load_fsdp_model_to_device(model)
+    load_optimizer(optimizer)
+
+    assert all(isinstance(p, DTensor) and p.device == device.get_device() for p in model.parameters())
+    state_after = next(iter(optimizer.state.values()))
+    for key, tensor in state_before.items():
+        torch.testing.assert_close(state_after[key].full_tensor().cpu(), tensor, atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs()).logits, expected, atol=0, rtol=0)
+    model(**inputs()).logits.mean().backward()  # still trains after the round trip
+    optimizer.step()
+
+
+# ------------------------------------------------------------------ optimizer and schedule
+
+
+def test_build_optimizer_reads_the_optim_config():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = build_optimizer(params, {"lr": 3e-4, "betas": [0.8, 0.95], "weight_decay": 0.1})
+    group = optimizer.param_groups[0]
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 0.1)
+
+
+def lr_trace(optim_cfg: dict, total_steps: int) -> list[float]:
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(1))], {"lr": 1.0, **optim_cfg})
+    scheduler = build_lr_scheduler(optimizer, {"lr": 1.0, **optim_cfg}, total_steps)
+    trace = []
+    for _ in range(total_steps):
+        trace.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return trace
+
+
+def test_lr_schedules_warmup_and_decay():
+    constant = lr_trace({"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.2, "warmup_style": "constant"}, 10)
+    assert constant == pytest.approx([0.0, 0.5, 1, 1, 1, 1, 1, 1, 1, 1])
+    cosine = lr_trace({"lr_warmup_steps": 2, "warmup_style": "cosine", "min_lr_ratio": 0.1}, 10)
+    assert cosine[:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert all(a >= b for a, b in zip(cosine[2:], cosine[3:], strict=False))
+    assert cosine[-1] > 0.1 and cosine[-1] < 0.2
+    with pytest.raises(ValueError, match="warmup_style"):
+        lr_trace({"warmup_style": "linear"}, 3)

@@ -1,0 +1,411 @@
+"""Rollout engines and the FSDP -> vLLM weight sync, on a real in-process vLLM engine (CPU, fp32).
+
+One engine serves the whole module (built in a few seconds). Tests that depend on the engine's
+weights push the weights they need first (a reload takes ~10 ms), so they do not depend on order.
+Log-prob parity uses prompts of at least 128 tokens, the CPU prefix-cache block size: with shorter
+prompts a missing prefix-cache reset after a weight update would go unnoticed.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from hflow.protocol import DataProto
+from hflow.utils.torch_functional import compute_position_id_with_mask, get_response_mask
+from hflow.workers.rollout import HFRollout
+
+PROMPT_LENGTH = 192
+RESPONSE_LENGTH = 24
+TEMPERATURE = 0.8
+PARITY_TOL = 1e-4
+
+QUESTIONS = [
+    "What is 17 plus 25?",
+    "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "Let's think step by step: what is 6 * 7?",
+]
+LONG_CONTEXT = "The quick brown fox jumps over the lazy dog. " * 8  # 152 tokens
+
+
+def rollout_config(**overrides) -> DictConfig:
+    config = {
+        "name": "vllm",
+        "n": 4,
+        "temperature": TEMPERATURE,
+        "top_p": 1.0,
+        "top_k": -1,
+        "prompt_length": PROMPT_LENGTH,
+        "response_length": RESPONSE_LENGTH,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.5,
+        "kv_cache_memory_bytes": 64 * 2**20,
+        "tensor_model_parallel_size": 1,
+        "max_model_len": None,
+        "max_num_batched_tokens": 8192,
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": True,
+        "free_cache_engine": True,
+        "load_format": "dummy",
+        "seed": 0,
+        "calculate_log_probs": True,
+        "do_sample": True,
+        "micro_batch_size": None,
+        "val_kwargs": {"top_k": -1, "top_p": 1.0, "temperature": 0, "n": 1, "do_sample": False},
+        "engine_kwargs": {"vllm": {}},
+    }
+    config.update(overrides)
+    return OmegaConf.create(config)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A gloo world of one, initialised before the engine (which would otherwise create its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()  # vLLM's groups and the default one
+
+
+@pytest.fixture(scope="module")
+def engine_build(world, tiny_model_dir, tiny_tokenizer):
+    """The module's vLLMRollout (random 'dummy' weights: every test pushes the weights it needs),
+    plus the host RNG states seen just before and after building it."""
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    before = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    rollout = vLLMRollout(str(tiny_model_dir), rollout_config(), tiny_tokenizer, hf_config)
+    after = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    yield rollout, before, after
+    del rollout
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def rollout(engine_build):
+    return engine_build[0]
+
+
+@pytest.fixture()
+def hf_model(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def chat_prompt_ids(tokenizer, questions: list[str], context: str = "") -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + q}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for q in questions
+    ]
+
+
+def make_prompts(tokenizer, questions: list[str], context: str = "", **non_tensors) -> DataProto:
+    """Chat-formatted prompts, left-padded to PROMPT_LENGTH, with per-row non-tensor fields."""
+    rows = chat_prompt_ids(tokenizer, questions, context)
+    input_ids = torch.full((len(rows), PROMPT_LENGTH), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        assert len(row) <= PROMPT_LENGTH
+        input_ids[i, PROMPT_LENGTH - len(row) :] = torch.tensor(row)
+        attention_mask[i, PROMPT_LENGTH - len(row) :] = 1
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+        },
+        non_tensors,
+        meta_info={"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+    )
+
+
+@torch.no_grad()
+def hf_log_probs(model: torch.nn.Module, output: DataProto, temperature: float) -> torch.Tensor:
+    """What the trainer computes: log_softmax(logits / T) of each response token, (B·n, L)."""
+    responses = output.batch["responses"]
+    logits = model(
+        input_ids=output.batch["input_ids"],
+        attention_mask=output.batch["attention_mask"],
+        position_ids=output.batch["position_ids"],
+    ).logits
+    logits = logits[:, -responses.shape[1] - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return (a - b).abs()[mask.bool()].max().item()
+
+
+def push(rollout, model: torch.nn.Module) -> None:
+    rollout.update_weights((name, p.detach()) for name, p in model.named_parameters())
+
+
+# ---- tiny models --------------------------------------------------------------------------------
+
+
+def test_tiny_model_is_reproducible(tmp_path, tiny_model_dir):
+    from hflow.utils.tiny_models import build_causal_lm, build_token_classification
+
+    again = build_causal_lm(tmp_path / "again", preset="tiny", arch="qwen2", seed=0)
+    files = sorted(p.name for p in tiny_model_dir.iterdir())
+    assert "model.safetensors" in files and "tokenizer.json" in files
+    assert files == sorted(p.name for p in again.iterdir())
+    for name in files:
+        assert (tiny_model_dir / name).read_bytes() == (again / name).read_bytes(), name
+
+    other_seed = build_causal_lm(tmp_path / "seed1", preset="tiny", seed=1)
+    assert (other_seed / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()
+
+    llama = AutoModelForCausalLM.from_pretrained(build_causal_lm(tmp_path / "llama", arch="llama"))
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    assert 1_000_000 < sum(p.numel() for p in llama.parameters()) < 2_000_000
+
+    with pytest.raises(ValueError, match="head size"):
+        build_causal_lm(tmp_path / "bad", hidden_size=240)
+
+    critic = AutoModelForTokenClassification.from_pretrained(build_token_classification(tmp_path / "critic"))
+    assert critic.config.num_labels == 1
+
+
+# ---- vLLM rollout -------------------------------------------------------------------------------
+
+
+def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
+    """On CPU: in-process engine, explicit KV cache, never sleep mode; bad configs fail before vLLM starts."""
+    import os
+
+    from hflow.workers.rollout.vllm_rollout import CPU_DEFAULT_KV_CACHE_BYTES, vLLMRollout
+
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    config = rollout_config(kv_cache_memory_bytes=None)
+    kwargs = vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert kwargs["distributed_executor_backend"] is None  # world of one: a plain in-process engine
+    assert "enable_sleep_mode" not in kwargs and "gpu_memory_utilization" not in kwargs
+    assert kwargs["kv_cache_memory_bytes"] == CPU_DEFAULT_KV_CACHE_BYTES
+    assert kwargs["max_model_len"] == PROMPT_LENGTH + RESPONSE_LENGTH
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+
+    bad = {
+        "enable_sleep_mode": rollout_config(engine_kwargs={"vllm": {"enable_sleep_mode": True}}),
+        "tensor_model_parallel_size": rollout_config(tensor_model_parallel_size=2),
+        "max_position_embeddings": rollout_config(prompt_length=4096),
+        "max_num_batched_tokens": rollout_config(max_num_batched_tokens=64),
+    }
+    for message, config in bad.items():
+        with pytest.raises(ValueError, match=message):
+            vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
+
+
+def test_engine_build_leaves_host_rng_alone(engine_build):
+    _, before, after = engine_build
+    assert torch.equal(before[0], after[0])
+    assert before[1] == after[1]
+    assert np.array_equal(before[2], after[2])
+
+
+def test_output_contract(rollout, hf_model, tiny_tokenizer):
+    push(rollout, hf_model)
+    n, batch = 4, len(QUESTIONS)
+    prompts = make_prompts(
+        tiny_tokenizer,
+        QUESTIONS,
+        uid=["a", "b", "c"],
+        extra_info=[{"i": 0}, {"i": 1}, {"i": 2}],
+        raw_prompt_ids=chat_prompt_ids(tiny_tokenizer, QUESTIONS),
+    )
+    prompts.meta_info["global_steps"] = 7
+    out = rollout.generate_sequences(prompts)
+
+    rows, L, P = batch * n, RESPONSE_LENGTH, PROMPT_LENGTH
+    expected = {
+        "prompts": ((rows, P), torch.long),
+        "responses": ((rows, L), torch.long),
+        "input_ids": ((rows, P + L), torch.long),
+        "attention_mask": ((rows, P + L), torch.long),
+        "position_ids": ((rows, P + L), torch.long),
+        "rollout_log_probs": ((rows, L), torch.float32),
+    }
+    assert set(out.batch.keys()) == set(expected)
+    for key, (shape, dtype) in expected.items():
+        assert tuple(out.batch[key].shape) == shape, key
+        assert out.batch[key].dtype == dtype, key
+
+    # Prompt-major: rows i*n .. i*n+n-1 belong to prompt i, and so do the non-tensor fields.
+    assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(n, dim=0))
+    assert list(out.non_tensor_batch["uid"]) == [u for u in "abc" for _ in range(n)]
+    assert [e["i"] for e in out.non_tensor_batch["extra_info"]] == [i for i in range(batch) for _ in range(n)]
+    assert "raw_prompt_ids" not in out.non_tensor_batch
+    assert out.meta_info["global_steps"] == 7
+
+    responses = out.batch["responses"]
+    assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], responses], dim=1))
+    response_mask = out.batch["attention_mask"][:, P:]
+    assert torch.equal(response_mask, get_response_mask(responses, tiny_tokenizer.eos_token_id))
+    assert torch.equal(out.batch["attention_mask"][:, :P], prompts.batch["attention_mask"].repeat_interleave(n, 0))
+    # Right padding: everything after a response's end is the pad id, and its log-prob is 0.
+    lengths = (responses != tiny_tokenizer.pad_token_id).sum(-1)
+    for row, length in zip(responses, lengths):
+        assert (row[length:] == tiny_tokenizer.pad_token_id).all()
+    assert (out.batch["rollout_log_probs"][response_mask == 0] == 0).all()
+    assert (out.batch["rollout_log_probs"][response_mask == 1] < 0).all()
+    # Positions continue from the last prompt position.
+    position_ids = out.batch["position_ids"]
+    assert torch.equal(position_ids[:, P:], position_ids[:, P - 1 : P] + torch.arange(1, L + 1))
+    # Samples of one prompt differ (T = 0.8 over a ~uniform random model).
+    assert not torch.equal(responses[0], responses[1])
+
+
+def test_batch_eos_ends_the_response(rollout, hf_model, tiny_tokenizer):
+    """A token in meta_info['eos_token_id'] stops generation and ends the mask, inclusive."""
+    push(rollout, hf_model)
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS[:1])
+    prompts.meta_info["do_sample"] = False
+    free = rollout.generate_sequences(prompts).batch["responses"][0].tolist()
+    # A token first seen at position k >= 2 becomes an extra EOS.
+    k = next(i for i in range(2, RESPONSE_LENGTH) if free[i] not in free[:i])
+    prompts.meta_info["eos_token_id"] = [tiny_tokenizer.eos_token_id, free[k]]
+    out = rollout.generate_sequences(prompts)
+    response = out.batch["responses"][0]
+    assert response[: k + 1].tolist() == free[: k + 1]
+    assert (response[k + 1 :] == tiny_tokenizer.pad_token_id).all()
+    response_mask = out.batch["attention_mask"][0, PROMPT_LENGTH:]
+    assert response_mask.tolist() == [1] * (k + 1) + [0] * (RESPONSE_LENGTH - k - 1)
+
+
+def test_greedy_is_deterministic_and_matches_hf_generate(rollout, hf_model, tiny_tokenizer):
+    push(rollout, hf_model)
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS)
+    prompts.meta_info["do_sample"] = False
+    first = rollout.generate_sequences(prompts)
+    second = rollout.generate_sequences(prompts)
+    assert len(first) == len(QUESTIONS)  # greedy: one sample per prompt whatever rollout.n is
+    assert torch.equal(first.batch["responses"], second.batch["responses"])
+
+    validation = prompts.select(deepcopy=True)
+    validation.meta_info = {**prompts.meta_info, "validate": True}
+    validation.meta_info.pop("do_sample")
+    assert torch.equal(rollout.generate_sequences(validation).batch["responses"], first.batch["responses"])
+
+    hf_out = HFRollout(hf_model, rollout_config(name="hf")).generate_sequences(prompts)
+    assert torch.equal(hf_out.batch["responses"], first.batch["responses"])
+    mask = first.batch["attention_mask"][:, PROMPT_LENGTH:]
+    # Greedy log-probs are those of the untempered distribution in both engines.
+    diff = max_masked_diff(first.batch["rollout_log_probs"], hf_out.batch["rollout_log_probs"], mask)
+    assert diff < PARITY_TOL
+
+
+def test_weight_update_parity_with_long_prompts(rollout, hf_model, tiny_tokenizer):
+    """Sampler log-probs after `update_weights` equal an HF forward with the new weights at T."""
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS[:2], context=LONG_CONTEXT)
+    assert prompts.batch["attention_mask"].sum(-1).min() >= 128
+    push(rollout, hf_model)
+    rollout.generate_sequences(prompts)  # fills the prefix cache with KV of the old weights
+
+    old = {name: p.detach().clone() for name, p in hf_model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    push(rollout, hf_model)
+    out = rollout.generate_sequences(prompts)
+    mask = out.batch["attention_mask"][:, PROMPT_LENGTH:]
+    new_diff = max_masked_diff(out.batch["rollout_log_probs"], hf_log_probs(hf_model, out, TEMPERATURE), mask)
+
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.copy_(old[name])
+    old_diff = max_masked_diff(out.batch["rollout_log_probs"], hf_log_probs(hf_model, out, TEMPERATURE), mask)
+    print(f"max |logprob diff|: new weights {new_diff:.2e}, old weights {old_diff:.2f}")
+    assert new_diff < PARITY_TOL
+    assert old_diff > 0.1
+
+
+def test_sharding_manager_syncs_fsdp2_weights(rollout, hf_model, tiny_tokenizer):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hflow.workers.sharding_manager import FSDPVLLMShardingManager
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    for layer in hf_model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(hf_model, mesh=mesh)
+    manager = FSDPVLLMShardingManager(hf_model, rollout)
+
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS[:2], context=LONG_CONTEXT)
+    torch.manual_seed(99)
+    training_rng = torch.random.get_rng_state()
+    with manager:
+        first = manager.postprocess_data(rollout.generate_sequences(manager.preprocess_data(prompts)))
+    assert torch.equal(torch.random.get_rng_state(), training_rng)  # generation drew from its own stream
+    assert manager.last_sync_s > 0
+
+    mask = first.batch["attention_mask"][:, PROMPT_LENGTH:]
+    diff = max_masked_diff(first.batch["rollout_log_probs"], hf_log_probs(hf_model, first, TEMPERATURE), mask)
+    print(f"FSDP2 -> vLLM sync {manager.last_sync_s * 1e3:.1f} ms, max |logprob diff| {diff:.2e}")
+    assert diff < PARITY_TOL
+
+    # The generation stream continues across contexts instead of restarting.
+    with manager:
+        second = rollout.generate_sequences(prompts)
+    assert not torch.equal(first.batch["responses"], second.batch["responses"])
+
+
+# ---- HF rollout ---------------------------------------------------------------------------------
+
+
+def test_hf_rollout_contract_on_fsdp2_module(world, hf_model, tiny_tokenizer):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in hf_model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(hf_model, mesh=mesh)
+    n = 2
+    config = rollout_config(name="hf", n=n, micro_batch_size=2)
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS, uid=["a", "b", "c"])
+    torch.manual_seed(0)
+    out = HFRollout(hf_model, config).generate_sequences(prompts)  # micro-batches of 2 and 1 prompts
+
+    rows = len(QUESTIONS) * n
+    assert tuple(out.batch["responses"].shape) == (rows, RESPONSE_LENGTH)
+    assert tuple(out.batch["input_ids"].shape) == (rows, PROMPT_LENGTH + RESPONSE_LENGTH)
+    assert out.batch["rollout_log_probs"].dtype == torch.float32
+    assert list(out.non_tensor_batch["uid"]) == ["a", "a", "b", "b", "c", "c"]
+    assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(n, dim=0))
+    mask = out.batch["attention_mask"][:, PROMPT_LENGTH:]
+    assert torch.equal(mask, get_response_mask(out.batch["responses"], tiny_tokenizer.eos_token_id))
+    diff = max_masked_diff(out.batch["rollout_log_probs"], hf_log_probs(hf_model, out, TEMPERATURE), mask)
+    assert diff < PARITY_TOL
+    assert hf_model.training is False  # the mode it had before generating
