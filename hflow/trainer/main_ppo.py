@@ -9,7 +9,6 @@ reported with the keys to change.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -57,6 +56,7 @@ def run_ppo(config: DictConfig) -> dict[str, float]:
     fill_builtin_defaults(config)
     preflight_check(config)
     OmegaConf.resolve(config)
+    trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before Ray starts
     if not ray.is_initialized():
         ray.init(
             address=config.ray_init.address,
@@ -64,7 +64,6 @@ def run_ppo(config: DictConfig) -> dict[str, float]:
             include_dashboard=False,
             runtime_env={"env_vars": WORKER_ENV},
         )
-    trainer = build_trainer(config)
     try:
         trainer.init_workers()
         val_metrics = trainer.fit()
@@ -105,9 +104,13 @@ def main(config: DictConfig) -> None:
     try:
         run_ppo(config)
     except KeyboardInterrupt:
-        # Ray kills the worker actors when the driver exits; say so instead of a long traceback.
-        print("interrupted: stopping workers", file=sys.stderr)
-        os._exit(130)
+        # run_ppo's cleanup has killed the worker actors; stop the local Ray cluster too, then exit
+        # normally so that every exit handler (scoring processes, loggers) runs.
+        import ray
+
+        print("interrupted: workers stopped", file=sys.stderr)
+        ray.shutdown()
+        sys.exit(130)
 
 
 if __name__ == "__main__":

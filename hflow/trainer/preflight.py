@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hflow.trainer.ppo import core_algos
 from hflow.utils.tracking import check_backends
@@ -150,6 +150,7 @@ def preflight_check(config: DictConfig) -> None:
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
     _check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
+    check_reward_sources(config)
     from hflow.utils import device
 
     if device.is_cuda():
@@ -158,3 +159,25 @@ def preflight_check(config: DictConfig) -> None:
         if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
             raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
                               f"{torch.cuda.device_count()} GPUs")
+
+
+def check_reward_sources(config: DictConfig) -> None:
+    """Without a custom reward function, every data source in the data needs a built-in scorer."""
+    if config.custom_reward_function.path is not None:
+        return
+    import pyarrow.parquet as pq
+
+    from hflow.utils.reward_score import SCORERS
+
+    key = config.data.reward_fn_key
+    for files_key in ("data.train_files", "data.val_files"):
+        for path in _files(OmegaConf.select(config, files_key)):
+            table = pq.read_table(Path(str(path)).expanduser(), columns=[key]) if key in pq.read_schema(
+                Path(str(path)).expanduser()).names else None
+            if table is None:
+                raise ConfigError(f"{files_key}: {path} has no column {key!r} (data.reward_fn_key)")
+            unknown = sorted(set(table.column(key).to_pylist()) - set(SCORERS))
+            if unknown:
+                raise ConfigError(
+                    f"{files_key}: {path} has data_source {unknown[0]!r}, which has no built-in scorer "
+                    f"(known: {sorted(SCORERS)}); set custom_reward_function.path (and .name) to your scoring function")

@@ -10,7 +10,7 @@ real name.
 Layout of a checkpoint folder:
 
     model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
-    extra_rank_<r>.pt       LR scheduler state and RNG states of rank r
+    extra_rank_<r>.pt       LR scheduler state, RNG states and other stateful objects of rank r
     huggingface/            (contents include "hf_model") config, tokenizer, safetensors
 
 The Hugging Face export (`save_hf_model`) gathers full parameters one tensor at a time and writes
@@ -89,7 +89,8 @@ class FSDPCheckpointManager:
     """Save and load the sharded training state of one FSDP2 model (all ranks call both)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler=None, tokenizer=None, contents: Iterable[str] = ("model", "optimizer", "extra")):
+                 lr_scheduler=None, tokenizer=None, contents: Iterable[str] = ("model", "optimizer", "extra"),
+                 stateful: dict | None = None):
         unknown = set(contents) - {"model", "optimizer", "extra", "hf_model"}
         if unknown:
             raise ValueError(
@@ -100,6 +101,8 @@ class FSDPCheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.tokenizer = tokenizer
         self.contents = set(contents)
+        # Other per-rank state with state_dict()/load_state_dict() (e.g. the generation RNG stream).
+        self.stateful = dict(stateful or {})
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -128,6 +131,7 @@ class FSDPCheckpointManager:
             extra = {"rng": rng_state(), "global_step": global_step}
             if self.lr_scheduler is not None:
                 extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+            extra["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
             torch.save(extra, tmp / f"extra_rank_{_rank()}.pt")
         if "hf_model" in self.contents:
             save_hf_model(self.model, tmp / "huggingface", tokenizer=self.tokenizer)
@@ -159,6 +163,9 @@ class FSDPCheckpointManager:
         if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         set_rng_state(extra["rng"])
+        for name, obj in self.stateful.items():
+            if name in extra.get("stateful", {}):
+                obj.load_state_dict(extra["stateful"][name])
         return extra
 
 

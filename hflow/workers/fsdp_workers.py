@@ -132,12 +132,15 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             from hflow.workers.actor import DataParallelPPOActor
 
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer)
-            self.checkpoint_manager = FSDPCheckpointManager(
-                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer,
-                contents=self.config.actor.checkpoint.contents,
-            )
         if self._is_rollout:
             self._build_rollout()
+        if self._is_actor:
+            stateful = {"sharding_manager": self.sharding_manager} if hasattr(
+                getattr(self, "sharding_manager", None), "state_dict") else {}
+            self.checkpoint_manager = FSDPCheckpointManager(
+                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer,
+                contents=self.config.actor.checkpoint.contents, stateful=stateful,
+            )
         if self._is_ref:
             from hflow.workers.actor import DataParallelPPOActor
 

@@ -4,6 +4,7 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -19,8 +20,11 @@ def files(tmp_path_factory):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     (model / "model.safetensors").write_bytes(b"")
+    rows = pd.DataFrame({"data_source": ["openai/gsm8k", "hflow/arithmetic"]})
     for name in ("train.parquet", "val.parquet"):
-        (root / name).write_bytes(b"")
+        rows.to_parquet(root / name)
+    pd.DataFrame({"data_source": ["my/own_task"]}).to_parquet(root / "custom.parquet")
+    (root / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     return root
 
 
@@ -78,3 +82,11 @@ def test_invalid_config_fails_fast_naming_the_keys(files, overrides, named):
     assert time.monotonic() - start < 5
     for word in named:
         assert word in str(err.value), f"{word!r} not in: {err.value}"
+
+
+def test_unknown_data_source_fails_naming_it_unless_a_custom_function_is_set(files):
+    config = make_config(files, f"data.val_files={files / 'custom.parquet'}")
+    with pytest.raises(ConfigError, match="my/own_task.*custom_reward_function.path"):
+        preflight_check(config)
+    preflight_check(make_config(files, f"data.val_files={files / 'custom.parquet'}",
+                                f"custom_reward_function.path={files / 'reward.py'}"))

@@ -110,6 +110,13 @@ class FSDPVLLMShardingManager(BaseShardingManager):
         self.rollout.sleep(level=1)
         empty_cache()
 
+    def state_dict(self) -> dict:
+        """The generation RNG stream, saved in checkpoints so a resumed run samples as an uninterrupted one."""
+        return {"generation_rng": self._generation_rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generation_rng = state["generation_rng"]
+
     def preprocess_data(self, data: DataProto) -> DataProto:
         """All ranks of a TP group generate the same requests: give each the union of the group's shards."""
         if self.tp_size > 1:

@@ -1,0 +1,412 @@
+"""`RayPPOTrainer`: the single controller that runs PPO / GRPO (and relatives) step by step.
+
+Every role lives in one resource pool and, through the colocated worker class, in one process per
+device: actor+rollout (`actor_rollout`), the reference policy (`ref`, only when a KL term is used), the
+critic (`critic`, only for GAE) and the reward model (`rm`, only when enabled). `fit()` reads like the
+algorithm; each heavy phase is one worker-group call.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from hflow.single_controller.ray import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    create_colocated_worker_cls,
+)
+from hflow.trainer.ppo import core_algos
+from hflow.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    format_validation_metrics,
+    process_validation_metrics,
+    reduce_metrics,
+)
+from hflow.utils.torch_functional import masked_mean
+from hflow.utils.tracking import Tracking
+
+LATEST_MARKER = "latest_checkpointed_iteration.txt"
+
+
+class Role(Enum):
+    ActorRollout = "actor_rollout"
+    RefPolicy = "ref"
+    Critic = "critic"
+    RewardModel = "rm"
+
+
+@contextmanager
+def timer(name: str, timing: dict[str, float]):
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def compute_response_mask(batch: DataProto) -> torch.Tensor:
+    response_length = batch.batch["responses"].shape[-1]
+    return batch.batch["attention_mask"][:, -response_length:]
+
+
+def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str) -> dict[str, float]:
+    """token_level_rewards = token_level_scores - beta * KL(pi_old || pi_ref) per token; updates the controller."""
+    mask = batch.batch["response_mask"]
+    kld = core_algos.kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], kl_penalty) * mask
+    beta = kl_ctrl.value
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"] - beta * kld
+    current_kl = masked_mean(kld, mask, axis=-1).mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=len(batch))
+    return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
+    """Write `advantages` and `returns` with the estimator named by `algorithm.adv_estimator`."""
+    inputs = {
+        "token_level_rewards": batch.batch["token_level_rewards"],
+        "response_mask": batch.batch["response_mask"],
+        "values": batch.batch.get("values"),
+        "reward_baselines": batch.batch.get("reward_baselines"),
+        "index": batch.non_tensor_batch["uid"],
+        "gamma": algorithm.gamma,
+        "lam": algorithm.lam,
+        "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
+    }
+    advantages, returns = core_algos.call_adv_estimator(
+        algorithm.adv_estimator, **{k: v for k, v in inputs.items() if v is not None})
+    batch.batch["advantages"] = advantages
+    batch.batch["returns"] = returns
+
+
+class RayPPOTrainer:
+    def __init__(self, config: DictConfig, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset,
+                 collate_fn, train_dataloader, n_workers: int | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.collate_fn = collate_fn
+        self.train_dataloader = train_dataloader
+        trainer_cfg = config.trainer
+        self.n_workers = n_workers or trainer_cfg.n_gpus_per_node * trainer_cfg.nnodes
+        algo = config.algorithm
+        actor = config.actor_rollout_ref.actor
+        self.use_critic = algo.adv_estimator == core_algos.AdvantageEstimator.GAE
+        self.use_reference_policy = bool(algo.use_kl_in_reward or actor.use_kl_loss)
+        self.use_rm = bool(config.reward_model.enable)
+        self.kl_ctrl_in_reward = core_algos.get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
+        self.total_training_steps = self._total_training_steps()
+        for section in (actor.optim, config.critic.optim):
+            section.total_training_steps = self.total_training_steps
+        self.global_steps = 0
+
+    def _total_training_steps(self) -> int:
+        if self.config.trainer.total_training_steps:
+            return int(self.config.trainer.total_training_steps)
+        return len(self.train_dataloader) * int(self.config.trainer.total_epochs)
+
+    # ------------------------------------------------------------------ workers
+
+    def init_workers(self) -> None:
+        """One pool, one process per device, every role colocated in it; the actor's engine is built last."""
+        from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+        trainer_cfg = self.config.trainer
+        pool = RayResourcePool([trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes, name_prefix="global_pool")
+        roles = {Role.ActorRollout.value: RayClassWithInitArgs(
+            ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="actor_rollout")}
+        if self.use_critic:
+            roles[Role.Critic.value] = RayClassWithInitArgs(CriticWorker, config=self.config.critic)
+        if self.use_reference_policy:
+            roles[Role.RefPolicy.value] = RayClassWithInitArgs(
+                ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="ref")
+        if self.use_rm:
+            roles[Role.RewardModel.value] = RayClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
+        self.worker_group = RayWorkerGroup(pool, create_colocated_worker_cls(roles))
+        groups = self.worker_group.spawn(roles.keys())
+        self.critic_wg = groups.get(Role.Critic.value)
+        self.ref_policy_wg = groups.get(Role.RefPolicy.value)
+        self.rm_wg = groups.get(Role.RewardModel.value)
+        self.actor_rollout_wg = groups[Role.ActorRollout.value]
+        for wg in (self.critic_wg, self.ref_policy_wg, self.rm_wg, self.actor_rollout_wg):
+            if wg is not None:
+                wg.init_model()
+
+    def shutdown(self) -> None:
+        if getattr(self, "worker_group", None) is not None:
+            self.worker_group.shutdown()
+            self.worker_group = None
+
+    # ------------------------------------------------------------------ the algorithm
+
+    def fit(self) -> dict[str, float]:
+        """Train for `total_training_steps`; returns the last validation metrics."""
+        trainer_cfg = self.config.trainer
+        self.tracker = Tracking(trainer_cfg.project_name, trainer_cfg.experiment_name, trainer_cfg.logger,
+                                trainer_cfg.log_dir, OmegaConf.to_container(self.config, resolve=True))
+        self._load_checkpoint()
+        val_metrics = {}
+        if self.val_reward_fn is not None and trainer_cfg.val_before_train and self.global_steps == 0:
+            val_metrics = self._validate()
+            self.tracker.log(val_metrics, step=0)
+        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training")
+        while self.global_steps < self.total_training_steps:
+            batch_dict = next(self._batches)
+            self.global_steps += 1
+            is_last_step = self.global_steps >= self.total_training_steps
+            metrics, timing = self.train_step(DataProto.from_single_dict(batch_dict))
+            if self.val_reward_fn is not None and (
+                    is_last_step or (trainer_cfg.test_freq > 0 and self.global_steps % trainer_cfg.test_freq == 0)):
+                with timer("testing", timing):
+                    val_metrics = self._validate()
+                metrics.update(val_metrics)
+            if trainer_cfg.save_freq > 0 and (is_last_step or self.global_steps % trainer_cfg.save_freq == 0):
+                with timer("save_checkpoint", timing):
+                    self._save_checkpoint()
+            metrics.update({f"timing_s/{k}": v for k, v in timing.items() if k in ("testing", "save_checkpoint")})
+            metrics["training/global_step"] = self.global_steps
+            metrics["training/epoch"] = self.train_dataloader.epoch
+            self.tracker.log(metrics, step=self.global_steps)
+            progress.update(1)
+        progress.close()
+        self.tracker.close()
+        return val_metrics
+
+    def train_step(self, batch: DataProto) -> tuple[dict[str, float], dict[str, float]]:
+        """One PPO/GRPO iteration on a batch of prompts (DESIGN.md §1)."""
+        algo = self.config.algorithm
+        n = self.config.actor_rollout_ref.rollout.n
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        with timer("step", timing):
+            gen_batch = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
+                                  non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt")
+                                                         if k in batch.non_tensor_batch])
+            # 1. generate n responses per prompt with the current policy
+            with timer("gen", timing):
+                gen_output = self.actor_rollout_wg.generate_sequences(gen_batch)
+            metrics.update(reduce_metrics(gen_output.meta_info.pop("metrics", {})))
+            if algo.adv_estimator == core_algos.AdvantageEstimator.REMAX:
+                with timer("gen_max", timing):
+                    batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen_batch)
+
+            # 2. one group id per prompt, then align prompts with their n samples
+            batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+            batch = batch.repeat(n, interleave=True).union(gen_output)
+            batch.batch["response_mask"] = compute_response_mask(batch)
+            batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+
+            # 3. reward
+            with timer("reward", timing):
+                if self.use_rm:
+                    batch = batch.union(self.rm_wg.compute_rm_score(batch))
+                reward = self.reward_fn(batch, return_dict=True)
+                batch.batch["token_level_scores"] = reward["reward_tensor"]
+            metrics.update(reward.get("reward_metrics", {}))
+            metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
+
+            # 4. log-probs of the sampled responses under the policy that generated them
+            with timer("old_log_prob", timing):
+                old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
+            entropys = old_log_prob.batch.pop("entropys")
+            metrics["actor/entropy"] = core_algos.agg_loss(
+                entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
+            batch = batch.union(old_log_prob)
+            if "rollout_log_probs" in batch.batch:
+                metrics.update(_rollout_vs_training_metrics(batch))
+
+            # 5. reference log-probs and values
+            if self.use_reference_policy:
+                with timer("ref", timing):
+                    batch = batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+            if self.use_critic:
+                with timer("values", timing):
+                    batch = batch.union(self.critic_wg.compute_values(batch))
+
+            # 6. rewards (optionally KL-penalised) and advantages, on the driver
+            with timer("adv", timing):
+                if algo.use_kl_in_reward:
+                    metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty))
+                else:
+                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                compute_advantage(batch, algo)
+
+            # 7. update the critic, then (after the warm-up) the actor
+            if self.use_critic:
+                with timer("update_critic", timing):
+                    critic_output = self.critic_wg.update_critic(batch)
+                metrics.update(reduce_metrics(critic_output.meta_info["metrics"]))
+            if self.config.trainer.critic_warmup <= self.global_steps - 1:
+                with timer("update_actor", timing):
+                    actor_output = self.actor_rollout_wg.update_actor(batch)
+                metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
+
+            if self.config.trainer.rollout_data_dir:
+                self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
+        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughout_metrics(batch, timing, n_gpus=self.n_workers))
+        return metrics, timing
+
+    def _greedy_baseline(self, batch: DataProto, gen_batch: DataProto) -> torch.Tensor:
+        """ReMax: the reward of the greedy response is each prompt's baseline."""
+        greedy_batch = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
+                                 meta_info={**gen_batch.meta_info, "do_sample": False})
+        greedy = self.actor_rollout_wg.generate_sequences(greedy_batch)
+        scored = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch)).union(greedy)
+        return self.reward_fn(scored, return_dict=True)["reward_tensor"].sum(-1)
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self) -> dict[str, float]:
+        val_kwargs = self.config.actor_rollout_ref.rollout.val_kwargs
+        data_sources, inputs, outputs, scores = [], [], [], []
+        extra_infos: dict[str, list] = {}
+        for batch_dict in self._val_batches():
+            batch = DataProto.from_single_dict(batch_dict).repeat(val_kwargs.n, interleave=True)
+            gen_batch = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
+                                  non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt")
+                                                         if k in batch.non_tensor_batch])
+            gen_batch.meta_info.update(do_sample=val_kwargs.do_sample, validate=True)
+            padded, pad_size = pad_dataproto_to_divisor(gen_batch, self.actor_rollout_wg.world_size)
+            output = unpad_dataproto(self.actor_rollout_wg.generate_sequences(padded), pad_size)
+            output.meta_info.pop("metrics", None)
+            batch = batch.union(output)
+            result = self.val_reward_fn(batch, return_dict=True)
+            scores.extend(result["reward_tensor"].sum(-1).tolist())
+            for key, values in result.get("reward_extra_info", {}).items():
+                extra_infos.setdefault(key, []).extend(values)
+            inputs.extend(self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True))
+            outputs.extend(self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True))
+            data_sources.extend(batch.non_tensor_batch.get("data_source", ["unknown"] * len(batch)))
+        if self.config.trainer.validation_data_dir:
+            self._write_jsonl(Path(self.config.trainer.validation_data_dir) / f"{self.global_steps}.jsonl",
+                              [{"input": i, "output": o, "score": s, "step": self.global_steps}
+                               for i, o, s in zip(inputs, outputs, scores)])
+        for i in range(min(self.config.trainer.log_val_generations, len(inputs))):
+            print(f"[validation {i}] score={scores[i]:.3f}\n  prompt: {inputs[i]!r}\n  response: {outputs[i]!r}")
+        infos = {"reward": scores, **{k: v for k, v in extra_infos.items() if len(v) == len(scores)}}
+        return format_validation_metrics(process_validation_metrics(np.array(data_sources, dtype=object), inputs, infos))
+
+    # ------------------------------------------------------------------ data order and checkpoints
+
+    def _epoch_batches(self):
+        """Batches from the current position on, epoch after epoch (the loader is resumable and
+        counts its own epochs; each epoch's order is a permutation seeded by data.seed + epoch)."""
+        while True:
+            yield from self.train_dataloader
+
+    def _val_batches(self):
+        from torch.utils.data import DataLoader
+
+        size = self.config.data.val_batch_size or len(self.val_dataset)
+        return DataLoader(self.val_dataset, batch_size=size, shuffle=False, drop_last=False,
+                          collate_fn=self.collate_fn)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return Path(self.config.trainer.default_local_dir)
+
+    def _save_checkpoint(self) -> None:
+        """global_step_N/{actor,critic,data}; the `latest` marker is written last, so it names a complete step."""
+        step_dir = self.checkpoint_root / f"global_step_{self.global_steps}"
+        self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=self.global_steps)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
+        (step_dir / "data").mkdir(parents=True, exist_ok=True)
+        torch.save({"dataloader": self.train_dataloader.state_dict(),
+                    "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)},
+                   step_dir / "data" / "state.pt")
+        marker = self.checkpoint_root / LATEST_MARKER
+        tmp_marker = marker.with_suffix(".tmp")
+        tmp_marker.write_text(str(self.global_steps))
+        tmp_marker.replace(marker)
+        self._prune_checkpoints()
+
+    def _prune_checkpoints(self) -> None:
+        keep = self.config.trainer.max_actor_ckpt_to_keep
+        if not keep:
+            return
+        steps = sorted(int(p.name.removeprefix("global_step_")) for p in self.checkpoint_root.glob("global_step_*")
+                       if p.name.removeprefix("global_step_").isdigit())
+        for step in steps[:-int(keep)]:
+            shutil.rmtree(self.checkpoint_root / f"global_step_{step}", ignore_errors=True)
+
+    def _find_checkpoint(self) -> Path | None:
+        mode = self.config.trainer.resume_mode
+        if mode == "disable":
+            return None
+        if mode == "resume_path":
+            return Path(self.config.trainer.resume_from_path)
+        marker = self.checkpoint_root / LATEST_MARKER
+        if not marker.exists():
+            return None
+        return self.checkpoint_root / f"global_step_{int(marker.read_text().strip())}"
+
+    def _load_checkpoint(self) -> None:
+        step_dir = self._find_checkpoint()
+        if step_dir is not None:
+            self.global_steps = int(step_dir.name.removeprefix("global_step_"))
+            print(f"resuming from {step_dir} (step {self.global_steps})")
+            self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"))
+            if self.use_critic:
+                self.critic_wg.load_checkpoint(str(step_dir / "critic"))
+            state = torch.load(step_dir / "data" / "state.pt", weights_only=False)
+            self.train_dataloader.load_state_dict(state["dataloader"])
+            if self.kl_ctrl_in_reward is not None and state.get("kl_ctrl") is not None:
+                self.kl_ctrl_in_reward.value = state["kl_ctrl"]
+        self._batches = self._epoch_batches()
+
+    # ------------------------------------------------------------------ dumps
+
+    def _dump_generations(self, batch: DataProto, path: Path) -> None:
+        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        self._write_jsonl(path, [{"input": i, "output": o, "score": s, "step": self.global_steps}
+                                 for i, o, s in zip(inputs, outputs, scores)])
+
+    @staticmethod
+    def _write_jsonl(path: Path, rows: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def _reward_extra_metrics(extra_info: dict[str, list]) -> dict[str, float]:
+    metrics = {}
+    for key, values in extra_info.items():
+        numeric = [float(v) for v in values if isinstance(v, (int, float, bool, np.number))]
+        if numeric and len(numeric) == len(values):
+            metrics[f"reward/{key}/mean"] = float(np.mean(numeric))
+    return metrics
+
+
+def _rollout_vs_training_metrics(batch: DataProto) -> dict[str, float]:
+    """How far the sampler's log-probs are from the trainer's for the same tokens (should be ~0 in fp32)."""
+    mask = batch.batch["response_mask"].bool()
+    diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+    prob_diff = (batch.batch["rollout_log_probs"].exp() - batch.batch["old_log_probs"].exp()).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "training/rollout_probs_diff_mean": prob_diff.mean().item(),
+        "training/rollout_probs_diff_max": prob_diff.max().item(),
+        "training/rollout_log_probs_diff_max": diff.max().item(),
+    }
