@@ -329,3 +329,19 @@ def test_registry(monkeypatch):
     with pytest.raises(ValueError, match="already taken"):
         register("test-only")(Other)
     assert register("test-only")(NaiveRewardManager) is NaiveRewardManager
+
+
+def test_the_example_reward_function_loads_and_scores():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from hflow.workers.reward_manager import get_custom_reward_fn
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward_functions" / "length_penalty.py"
+    config = OmegaConf.create({"custom_reward_function": {
+        "path": str(example), "name": "compute_score", "reward_kwargs": {"penalty_per_char": 0.01}}})
+    fn = get_custom_reward_fn(config)
+    result = fn("openai/gsm8k", "so the answer is #### 72", "72")
+    assert result["correct"] == 1.0
+    assert result["score"] == 1.0 - 0.01 * len("so the answer is #### 72")
