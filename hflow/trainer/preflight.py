@@ -79,6 +79,8 @@ def preflight_check(config: DictConfig) -> None:
         _check_choice(algo.kl_penalty.rstrip("+"), KL_TYPES, "algorithm.kl_penalty")
         _check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     _check_choice(rollout.name, ("vllm", "hf"), "actor_rollout_ref.rollout.name")
+    if algo.get("use_rollout_log_probs") and not rollout.calculate_log_probs:
+        raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
     if algo.adv_estimator == "gae" and config.critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
                           "(by default it is the actor's model)")

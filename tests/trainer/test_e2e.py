@@ -108,6 +108,14 @@ def test_end_to_end_runs_and_reports_metrics(ray_session, assets, tmp_path, esti
     assert (tmp_path / "logs" / "learning_curve.png").stat().st_size > 10_000
 
 
+def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, assets, tmp_path):
+    metrics = run(assets, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+                  "algorithm.use_rollout_log_probs=true")
+    step = metrics[0]
+    assert "timing_s/old_log_prob" not in step  # the forward pass was skipped
+    assert abs(step["actor/ppo_kl"]) < 1e-5 and step["actor/pg_clipfrac"] == 0  # and the update stayed on-policy
+
+
 def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(

@@ -221,14 +221,17 @@ class RayPPOTrainer:
             metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
 
             # 4. log-probs of the sampled responses under the policy that generated them
-            with timer("old_log_prob", timing):
-                old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
-            entropys = old_log_prob.batch.pop("entropys")
-            metrics["actor/entropy"] = core_algos.agg_loss(
-                entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
-            batch = batch.union(old_log_prob)
-            if "rollout_log_probs" in batch.batch:
-                metrics.update(_rollout_vs_training_metrics(batch))
+            if algo.use_rollout_log_probs:  # the sampler already computed them
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            else:
+                with timer("old_log_prob", timing):
+                    old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
+                entropys = old_log_prob.batch.pop("entropys")
+                metrics["actor/entropy"] = core_algos.agg_loss(
+                    entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
+                batch = batch.union(old_log_prob)
+                if "rollout_log_probs" in batch.batch:
+                    metrics.update(_rollout_vs_training_metrics(batch))
 
             # 5. reference log-probs and values
             if self.use_reference_policy:
