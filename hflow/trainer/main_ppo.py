@@ -33,7 +33,11 @@ if not device.is_cuda():
 
 
 def fill_builtin_defaults(config: DictConfig) -> None:
-    """Point unset data and model paths at the built-in task and model (generated on first use)."""
+    """Point unset data and model paths at the built-in task and model (generated on first use).
+
+    With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
+    shipped defaults of `ppo_trainer.yaml` (never a value the user changed).
+    """
     needs_model = config.actor_rollout_ref.model.path is None
     needs_data = config.data.train_files is None or config.data.val_files is None
     if not (needs_model or needs_data):
@@ -48,6 +52,19 @@ def fill_builtin_defaults(config: DictConfig) -> None:
             config.data.train_files = str(assets.train_file)
         if config.data.val_files is None:
             config.data.val_files = str(assets.val_file)
+        if needs_model and needs_data:
+            shipped = OmegaConf.load(Path(CONFIG_DIR) / "ppo_trainer.yaml")
+            for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "builtin_task.yaml"))):
+                if OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
+                    OmegaConf.update(config, key, value)
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def run_ppo(config: DictConfig) -> dict[str, float]:

@@ -10,7 +10,7 @@ PANELS = [
     ("validation score", ["val-core/*/reward/mean@1", "val-core/*"]),
     ("training score", ["critic/score/mean"]),
     ("reward", ["critic/rewards/mean"]),
-    ("KL to reference", ["actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"]),
+    ("KL", ["actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"]),
     ("entropy", ["actor/entropy"]),
     ("response length", ["response_length/mean"]),
 ]
