@@ -147,7 +147,9 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, as
         f"trainer.save_freq={stop_after}")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(stop_after)
     resumed = run(assets, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=4",
-                  "trainer.resume_mode=auto")
+                  "trainer.resume_mode=auto", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2")
+    kept = sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*"))
+    assert kept == ["global_step_3", "global_step_4"]  # older checkpoints pruned
     after = [m for m in resumed if m["step"] > stop_after]
     assert [m["step"] for m in after] == list(range(stop_after + 1, 5))
     expected = {m["step"]: m for m in uninterrupted}
