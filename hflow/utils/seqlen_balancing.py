@@ -16,6 +16,8 @@ collectively), so when torch.distributed is initialised the number of micro-batc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import heapq
 import math
 from collections.abc import Sequence
@@ -159,3 +161,22 @@ def split_mini_batches(
     if batch.device is not None:
         order = order.to(batch.device)
     return [batch[index] for index in order.split(mini_batch_size)]
+
+
+def ppo_mini_batches(batch: TensorDict, config) -> Iterator[TensorDict]:
+    """The mini-batches of one PPO update, one optimizer step each: `config.ppo_epochs` passes over
+    `batch`, each cut into `config.ppo_mini_batch_size` rows (shuffled when `config.shuffle`)."""
+    for _ in range(config.ppo_epochs):
+        yield from split_mini_batches(batch, config.ppo_mini_batch_size, shuffle=config.shuffle)
+
+
+def ppo_micro_batches(mini_batch: TensorDict, config) -> list[TensorDict]:
+    """A mini-batch cut into forward/backward micro-batches: `ppo_micro_batch_size_per_gpu` rows each,
+    or token budgets of `ppo_max_token_len_per_gpu` with `use_dynamic_bsz`."""
+    micro_batches, _ = split_micro_batches(
+        mini_batch,
+        micro_batch_size=config.ppo_micro_batch_size_per_gpu,
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+    )
+    return micro_batches

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from hflow.protocol import DataProto
 from hflow.trainer.ppo.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
-from hflow.utils.seqlen_balancing import split_micro_batches, split_mini_batches
+from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hflow.workers.actor.base import BasePPOActor
 
@@ -171,24 +171,15 @@ class DataParallelPPOActor(BasePPOActor):
         batch = data.batch.select(*keys)
 
         metrics: dict[str, list[float]] = defaultdict(list)
-        for _ in range(cfg.ppo_epochs):
-            for mini_batch in split_mini_batches(
-                batch, cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, generator=None
-            ):
-                self._update_step(mini_batch, temperature, metrics)
+        for mini_batch in ppo_mini_batches(batch, cfg):
+            self._update_step(mini_batch, temperature, metrics)
         return dict(metrics)
 
     def _update_step(self, mini_batch: TensorDict, temperature: float, metrics: dict[str, list[float]]) -> None:
         cfg = self.config
         info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
         step = StepMetrics(info)
-        micro_batches, _ = split_micro_batches(
-            mini_batch,
-            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-            max_token_len=cfg.ppo_max_token_len_per_gpu,
-            use_dynamic_bsz=cfg.use_dynamic_bsz,
-        )
-        for micro_batch in micro_batches:
+        for micro_batch in ppo_micro_batches(mini_batch, cfg):
             mask = response_mask_of(micro_batch)
             log_prob, entropy = self._forward_micro_batch(
                 micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0
