@@ -32,11 +32,12 @@ if not device.is_cuda():
     WORKER_ENV["TORCHDYNAMO_DISABLE"] = "1"
 
 
-def fill_builtin_defaults(config: DictConfig) -> None:
+def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> None:
     """Point unset data and model paths at the built-in task and model (generated on first use).
 
     With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
-    shipped defaults of `ppo_trainer.yaml` (never a value the user changed).
+    shipped defaults of `ppo_trainer.yaml`: never a key given on the command line (`user_keys`), nor a
+    value that differs from the shipped default.
     """
     needs_model = config.actor_rollout_ref.model.path is None
     needs_data = config.data.train_files is None or config.data.val_files is None
@@ -55,7 +56,7 @@ def fill_builtin_defaults(config: DictConfig) -> None:
         if needs_model and needs_data:
             shipped = OmegaConf.load(Path(CONFIG_DIR) / "ppo_trainer.yaml")
             for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "builtin_task.yaml"))):
-                if OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
+                if key not in user_keys and OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
                     OmegaConf.update(config, key, value)
 
 
@@ -67,10 +68,11 @@ def _leaves(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def run_ppo(config: DictConfig) -> dict[str, float]:
+def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Train; `user_keys` are the config keys given on the command line."""
     import ray
 
-    fill_builtin_defaults(config)
+    fill_builtin_defaults(config, user_keys)
     preflight_check(config)
     OmegaConf.resolve(config)
     trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before Ray starts
@@ -118,8 +120,11 @@ def plot_learning_curve(config: DictConfig) -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    user_keys = frozenset(o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
     try:
-        run_ppo(config)
+        run_ppo(config, user_keys)
     except KeyboardInterrupt:
         # run_ppo's cleanup has killed the worker actors; stop the local Ray cluster too, then exit
         # normally so that every exit handler (scoring processes, loggers) runs.

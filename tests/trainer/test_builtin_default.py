@@ -27,3 +27,18 @@ def test_builtin_default_learns(ray_session, tmp_path, monkeypatch, estimator):
     assert scores[0] <= 0.2, scores
     assert scores[-1] >= 0.8, scores
     assert (log_dir / "learning_curve.png").stat().st_size > 10_000
+
+
+def test_builtin_settings_never_replace_what_the_user_gave():
+    from hflow.trainer.main_ppo import fill_builtin_defaults
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.rollout.n=1",  # equal to the shipped default, but given explicitly
+            "actor_rollout_ref.actor.optim.lr=3e-5",
+        ])
+    fill_builtin_defaults(config, frozenset({"actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.optim.lr"}))
+    assert config.actor_rollout_ref.rollout.n == 1
+    assert config.actor_rollout_ref.actor.optim.lr == 3e-5
+    assert config.data.train_batch_size == 32  # a built-in setting where the user gave nothing
+    assert config.data.train_files is not None and config.actor_rollout_ref.model.path is not None
