@@ -371,6 +371,9 @@ class RewardModelWorker(Worker):
         model_cfg = self.config.model
         trust = model_cfg.get("trust_remote_code", False)
         self.tokenizer = _load_tokenizer(model_cfg.path, trust)
+        # Re-encoded inputs may be longer than the policy's; when reward_model.max_length cuts them, cut
+        # from the left so that the response -- the part being scored -- survives.
+        self.tokenizer.truncation_side = "left"
         input_tokenizer = model_cfg.get("input_tokenizer")
         self.input_tokenizer = _load_tokenizer(input_tokenizer, trust) if input_tokenizer else None
         self._retokenize = self.input_tokenizer is not None and (
@@ -413,9 +416,6 @@ class RewardModelWorker(Worker):
                 prompt = self.input_tokenizer.decode(prompts[i][prompt_mask[i].bool()], skip_special_tokens=True)
                 texts.append(prompt + response)
         max_length = self.config.get("max_length")
-        # The reward model's template may be longer than the policy's; when a limit is set, cut from the
-        # left so that the response -- the part being scored -- survives.
-        self.tokenizer.truncation_side = "left"
         encoded = self.tokenizer(texts, padding="longest", truncation=max_length is not None, max_length=max_length,
                                  return_tensors="pt", add_special_tokens=raw_chats is None)
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}

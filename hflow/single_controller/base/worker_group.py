@@ -102,7 +102,7 @@ class WorkerGroup:
                 local_name = remote_name[len(prefix) + 1:]
             else:
                 continue
-            if local_name in type(self).__dict__ or any(local_name in vars(k) for k in type(self).__mro__):
+            if any(local_name in vars(klass) for klass in type(self).__mro__):
                 raise ValueError(
                     f"worker method {remote_name!r} of {user_defined_cls.__name__} would shadow the "
                     f"worker group's own attribute {local_name!r}; rename the method"
