@@ -97,7 +97,9 @@ class Worker:
         self._local_rank = int(env.get("LOCAL_RANK", "0"))
         self._local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
         prefix = env.get("WG_PREFIX")
-        if prefix and "MASTER_ADDR" not in env and env.get(DISABLE_WORKER_INIT, "0") in ("", "0"):
+        if prefix and env.get(DISABLE_WORKER_INIT, "0") in ("", "0"):
+            # Always the group's own address: a MASTER_ADDR inherited from the driver's environment
+            # (e.g. a stand-alone worker built there before Ray started) would pair ranks on a stale port.
             self._wait_for_rendezvous(prefix)
         if self._world_size == 1:
             # A stand-alone worker (built in-process, e.g. for debugging) rendezvouses with itself.

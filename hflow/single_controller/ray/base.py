@@ -123,15 +123,18 @@ class RayClassWithInitArgs(ClassWithInitArgs):
 
     def __call__(self, placement_group: PlacementGroup, bundle_index: int, resources: dict[str, float],
                  env_vars: dict[str, str], name: str, detached: bool = False):
+        user_runtime_env = dict(self._options.get("runtime_env") or {})
+        # The user's env vars first, the group's (rank, world size, group name) over them.
+        user_runtime_env["env_vars"] = {**user_runtime_env.get("env_vars", {}), **env_vars}
         options = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=bundle_index
             ),
-            "runtime_env": {"env_vars": env_vars},
             "name": name,
             "num_cpus": resources.get("CPU", 0),
             "num_gpus": resources.get("GPU", 0),
             **self._options,
+            "runtime_env": user_runtime_env,
         }
         if detached:
             options["lifetime"] = "detached"
