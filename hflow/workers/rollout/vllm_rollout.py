@@ -80,6 +80,7 @@ class vLLMRollout(BaseRollout):
         # Sleep releases weights and KV cache between generations; only CUDA supports it.
         self.sleep_enabled = is_cuda() and bool(config.get("free_cache_engine", True))
 
+        self.tied_embeddings = _ties_embeddings(model_hf_config)
         engine_kwargs = self._engine_kwargs(model_path, config, model_hf_config, device_mesh)
         started = time.perf_counter()
         with _preserve_host_state():
@@ -201,7 +202,7 @@ class vLLMRollout(BaseRollout):
     def _sampling_params(self, settings: SamplingSettings, eos_token_id: int | list[int]) -> SamplingParams:
         # The batch's EOS ids also stop generation, so the engine and the response mask agree on where
         # every response ends (the stop token itself is kept in the output, like the model's EOS).
-        stop_ids = [int(t) for t in np.atleast_1d(eos_token_id)]
+        stop_ids = [] if settings.ignore_eos else [int(t) for t in np.atleast_1d(eos_token_id)]
         return SamplingParams(
             n=settings.n,
             temperature=settings.temperature,
@@ -209,6 +210,7 @@ class vLLMRollout(BaseRollout):
             top_k=settings.top_k,
             max_tokens=self.response_length,
             stop_token_ids=stop_ids,
+            ignore_eos=settings.ignore_eos,
             logprobs=0 if self.calculate_log_probs else None,
             detokenize=False,
         )
@@ -224,6 +226,8 @@ class vLLMRollout(BaseRollout):
         nothing. The prefix cache is then reset, or cached prompt KV would keep the old weights.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if self.tied_embeddings:
+            self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
@@ -235,6 +239,30 @@ class vLLMRollout(BaseRollout):
         """Re-allocate `tags` ("weights", "kv_cache"; None = all) after `sleep`; a no-op on CPU."""
         if self.sleep_enabled:
             self.llm.wake_up(tags=tags)
+
+
+def _ties_embeddings(hf_config: Any) -> bool:
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return bool(getattr(text_config, "tie_word_embeddings", False))
+
+
+def _retie_lm_head(worker: Any) -> None:
+    """Point a tied LM head at the freshly loaded input embedding again (runs on each engine worker).
+
+    For tied models vLLM's weight loader skips `lm_head.weight`, and `reload_weights` then puts the
+    head's *previous* tensor back, so without this the sampler keeps the first weights it had (the
+    random ones of `load_format=dummy`) while the embedding follows training. On CPU the head's
+    GEMM works on a packed copy, which `process_weights_after_loading` rebuilds from the new weight.
+    """
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None:
+        raise RuntimeError(
+            f"{type(model).__name__} ties its word embeddings but has no lm_head / model.embed_tokens; "
+            "hflow cannot re-tie its output head after a weight sync"
+        )
+    head.weight = embed.weight
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _has_rope_scaling(hf_config: Any) -> bool:
