@@ -8,6 +8,7 @@ disagree.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -153,6 +154,16 @@ def preflight_check(config: DictConfig) -> None:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
     _check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
+    cpus = int(trainer.get("cpus_per_worker", 1))
+    if cpus < 1:
+        raise ConfigError(f"trainer.cpus_per_worker must be >= 1, got {cpus}")
+    available = config.ray_init.get("num_cpus") or os.cpu_count()
+    joins_cluster = config.ray_init.get("address") or os.environ.get("RAY_ADDRESS")
+    if int(trainer.nnodes) == 1 and not joins_cluster and cpus * int(trainer.n_gpus_per_node) > available:
+        raise ConfigError(
+            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} workers x trainer.cpus_per_worker={cpus} CPUs "
+            f"need {cpus * int(trainer.n_gpus_per_node)} CPUs but this node has {available} "
+            "(ray_init.num_cpus or the machine's cores); lower one of them")
     from hflow.utils import device
 
     if device.is_cuda():

@@ -78,6 +78,10 @@ class ComputeWorker(Worker):
                 "master": self.get_master_addr_port(), "pid": os.getpid()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def threads(self):
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def all_reduce_rank(self):
         import torch.distributed as dist
 
@@ -155,6 +159,17 @@ def test_rank_info_and_rendezvous(wg):
     assert {i["master"] for i in infos} == {(wg.master_address, wg.master_port)}
     assert wg.master_port is not None
     assert len({i["pid"] for i in infos}) == WORLD
+
+
+def test_cpus_per_worker_sets_each_workers_threads(ray_session, wg):
+    assert wg.threads() == [(1, "1")] * WORLD  # the default: one CPU, one thread per worker
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False, cpus_per_worker=2), RayClassWithInitArgs(ComputeWorker))
+    try:
+        assert group.threads() == [(2, "2"), (2, "2")]
+    finally:
+        group.shutdown()
+    with pytest.raises(ValueError, match="cpus_per_worker"):
+        RayResourcePool([1], use_gpu=False, cpus_per_worker=0)
 
 
 def test_one_to_all_args_and_kwargs(wg):

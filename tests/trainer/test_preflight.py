@@ -70,6 +70,8 @@ INVALID = [
     (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k9"], ["kl_loss_type"]),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=trpo"], ["loss_mode"]),
     (["trainer.n_gpus_per_node=0"], ["n_gpus_per_node"]),
+    (["trainer.cpus_per_worker=0"], ["trainer.cpus_per_worker"]),
+    (["trainer.cpus_per_worker=3", "ray_init.num_cpus=4"], ["trainer.cpus_per_worker=3", "6 CPUs", "ray_init.num_cpus"]),
 ]
 
 

@@ -202,7 +202,14 @@ def test_collate_fn_builds_a_dataproto(tokenizer, tmp_path):
     batch = collate_fn([dataset[0], dataset[0], dataset[2]])
     data = DataProto.from_single_dict(batch)
     assert len(data) == 3
-    assert data.batch["input_ids"].shape == (3, 64)
+    # only as wide as the longest prompt: the columns that are padding in every row are dropped
+    longest = max(len(dataset[i]["raw_prompt_ids"]) for i in (0, 2))
+    assert longest < 64 and data.batch["input_ids"].shape == (3, longest)
+    assert data.batch["attention_mask"].any(dim=0).all()
+    for row, i in enumerate((0, 0, 2)):
+        item = dataset[i]
+        assert torch.equal(data.batch["input_ids"][row], item["input_ids"][-longest:])
+        assert torch.equal(data.batch["position_ids"][row], item["position_ids"][-longest:])
     assert set(data.batch.keys()) == {"input_ids", "attention_mask", "position_ids"}
     raw = data.non_tensor_batch["raw_prompt_ids"]
     assert raw.shape == (3,) and raw.dtype == object and raw[0] == dataset[0]["raw_prompt_ids"]

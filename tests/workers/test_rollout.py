@@ -195,6 +195,34 @@ def test_tiny_model_is_reproducible(tmp_path, tiny_model_dir):
 # ---- vLLM rollout -------------------------------------------------------------------------------
 
 
+def test_ignore_eos_makes_every_training_sample_full_length(rollout, hf_model, tiny_tokenizer):
+    """rollout.ignore_eos (fixed work for benchmarks): training samples run to response_length past EOS,
+    validation still stops at EOS."""
+    from hflow.workers.rollout.base import resolve_sampling
+
+    push(rollout, hf_model)
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS[:2])
+    eos = tiny_tokenizer.eos_token_id
+    rollout.config = rollout_config(ignore_eos=True)
+    try:
+        assert resolve_sampling(rollout.config, {}).ignore_eos
+        assert not resolve_sampling(rollout.config, {"validate": True}).ignore_eos
+        params = rollout._sampling_params(resolve_sampling(rollout.config, {}), eos)
+        assert params.ignore_eos and eos not in params.stop_token_ids
+        # every sample runs to response_length tokens, whether or not it sampled EOS on the way
+        from vllm import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in chat_prompt_ids(tiny_tokenizer, QUESTIONS[:2])]
+        outputs = rollout.llm.generate(requests, params, use_tqdm=False)
+        lengths = [len(sample.token_ids) for output in outputs for sample in output.outputs]
+        assert lengths == [RESPONSE_LENGTH] * (2 * rollout.config.n)
+        out = rollout.generate_sequences(prompts)
+        assert tuple(out.batch["responses"].shape) == (2 * rollout.config.n, RESPONSE_LENGTH)
+    finally:
+        rollout.config = rollout_config()
+    assert eos in rollout._sampling_params(resolve_sampling(rollout.config, {}), eos).stop_token_ids
+
+
 def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
     """On CPU: in-process engine, explicit KV cache, never sleep mode; bad configs fail before vLLM starts."""
     import os

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -24,7 +25,8 @@ from tests.workers.test_rollout import (  # noqa: F401  (world is a fixture)
 )
 
 
-def test_tied_embedding_model_follows_every_sync(world, tmp_path, tiny_tokenizer):
+@pytest.mark.usefixtures("world")
+def test_tied_embedding_model_follows_every_sync(tmp_path, tiny_tokenizer):
     """SmolLM2, Qwen2.5-0.5B..3B tie lm_head to the embedding; vLLM skips lm_head.weight on load, so
     the head must be re-tied after each sync or the sampler keeps its first (here random) head."""
     from hflow.utils.tiny_models import build_causal_lm

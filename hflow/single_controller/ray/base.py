@@ -37,20 +37,25 @@ class WorkerGroupError(RuntimeError):
 class RayResourcePool(ResourcePool):
     """A resource pool backed by one Ray placement group per node, one bundle per worker process.
 
-    Each bundle holds one device: a GPU (plus a CPU) on GPU machines, a CPU on CPU-only machines
-    (`use_gpu=None` asks the device helper).
+    Each bundle holds one device -- a GPU on GPU machines, nothing more on CPU-only machines -- and
+    `cpus_per_worker` CPUs (`use_gpu=None` asks the device helper). Ray sets a worker's
+    OMP_NUM_THREADS to its CPUs, so on a CPU-only machine this is the worker's torch thread count.
     """
 
     def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool | None = None,
-                 name_prefix: str = "", max_colocate_count: int = 1, detached: bool = False):
+                 name_prefix: str = "", max_colocate_count: int = 1, detached: bool = False,
+                 cpus_per_worker: int = 1):
         super().__init__(process_on_nodes, max_colocate_count)
+        if cpus_per_worker < 1:
+            raise ValueError(f"cpus_per_worker must be at least 1, got {cpus_per_worker}")
+        self.cpus_per_worker = int(cpus_per_worker)
         self.use_gpu = device.is_cuda() if use_gpu is None else use_gpu
         self.name_prefix = name_prefix
         self.detached = detached
         self.pgs: list[PlacementGroup] | None = None
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": 1, "GPU": 1} if self.use_gpu else {"CPU": 1}
+        return {"CPU": self.cpus_per_worker, "GPU": 1} if self.use_gpu else {"CPU": self.cpus_per_worker}
 
     def get_placement_groups(self, strategy: str = "STRICT_PACK", timeout_s: float = 120.0) -> list[PlacementGroup]:
         if self.pgs is not None:

@@ -79,7 +79,7 @@ def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str, float]:
+def compute_data_metrics(batch: DataProto, use_critic: bool = True, max_prompt_length: int | None = None) -> dict[str, float]:
     """Scores, rewards, advantages, returns (and values) over valid response tokens, and lengths.
 
     Needs ``token_level_scores``, ``token_level_rewards``, ``advantages``, ``returns``, ``responses``,
@@ -88,7 +88,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     info = _response_info(batch)
     mask = info["response_mask"]
     max_response_length = batch.batch["responses"].shape[-1]
-    max_prompt_length = batch.batch["attention_mask"].shape[-1] - max_response_length
+    if max_prompt_length is None:  # batches are only as wide as their longest prompt: pass the limit
+        max_prompt_length = batch.batch["attention_mask"].shape[-1] - max_response_length
 
     metrics = {
         **_stats("critic/score", batch.batch["token_level_scores"].sum(-1)),

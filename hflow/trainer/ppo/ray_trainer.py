@@ -127,7 +127,8 @@ class RayPPOTrainer:
         from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         trainer_cfg = self.config.trainer
-        pool = RayResourcePool([trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes, name_prefix="global_pool")
+        pool = RayResourcePool([trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes, name_prefix="global_pool",
+                               cpus_per_worker=int(trainer_cfg.get("cpus_per_worker", 1)))
         roles = {Role.ActorRollout.value: RayClassWithInitArgs(
             ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="actor_rollout")}
         if self.use_critic:
@@ -261,7 +262,8 @@ class RayPPOTrainer:
 
             if self.config.trainer.rollout_data_dir:
                 self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
-        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic,
+                                            max_prompt_length=self.config.data.max_prompt_length))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, n_gpus=self.n_workers))
         return metrics, timing

@@ -185,9 +185,17 @@ class RLHFDataset(Dataset):
         )
 
 
+_LEFT_PADDED = ("input_ids", "attention_mask", "position_ids")
+
+
 def collate_fn(items: list[dict[str, Any]]) -> dict[str, torch.Tensor | np.ndarray]:
     """Stack tensors along a new dim 0; gather everything else into numpy object arrays (one entry
-    per item), so that ``DataProto.from_single_dict`` splits them into batch and non-tensor batch."""
+    per item), so that ``DataProto.from_single_dict`` splits them into batch and non-tensor batch.
+
+    The prompts come left-padded to ``max_prompt_length``; columns that are padding in every row of
+    the batch are dropped, so the batch is as wide as its longest prompt. Every forward pass of the
+    step (old log-probs, reference, update) then skips that padding instead of computing it.
+    """
     batch: dict[str, torch.Tensor | np.ndarray] = {}
     for key in items[0]:
         values = [item[key] for item in items]
@@ -199,6 +207,13 @@ def collate_fn(items: list[dict[str, Any]]) -> dict[str, torch.Tensor | np.ndarr
             for i, value in enumerate(values):
                 array[i] = value
             batch[key] = array
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+        used = mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else mask.shape[1] - 1  # keep one column for empty prompts
+        for key in _LEFT_PADDED:
+            if isinstance(batch.get(key), torch.Tensor):
+                batch[key] = batch[key][:, first:].contiguous()
     return batch
 
 

@@ -54,6 +54,7 @@ class SamplingSettings:
     temperature: float
     top_p: float
     top_k: int  # -1: no top-k filter
+    ignore_eos: bool = False  # always generate `response_length` tokens (fixed work for benchmarks)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +95,7 @@ def resolve_sampling(config: Mapping[str, Any], meta_info: Mapping[str, Any]) ->
         temperature=temperature,
         top_p=float(config.get("top_p", 1.0)),
         top_k=int(config.get("top_k", -1)),
+        ignore_eos=bool(config.get("ignore_eos", False)),
     )
 
 

@@ -71,6 +71,8 @@ class HFRollout(BaseRollout):
                 "top_k": max(settings.top_k, 0),  # HF: 0 means no top-k filter
                 "num_return_sequences": settings.n,
             }
+            if settings.ignore_eos:
+                sampling["min_new_tokens"] = self.response_length
         out = self.module.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
