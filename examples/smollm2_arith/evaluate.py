@@ -4,7 +4,7 @@
         [--limit 200] [--n 4] [--max-tokens 128] [--json out.json] [--time-batch]
 
 Reports greedy accuracy (what hflow's validation reports as ``val-core/hflow/arithmetic/reward/mean@1``),
-and at temperature 1 with ``n`` samples: the mean score (mean@n) and the share of problems with at
+and at temperature `--temperature` (default 1) with ``n`` samples: the mean score (mean@n) and the share of problems with at
 least one correct sample (pass@n), overall and per operation, plus response lengths. ``--time-batch``
 also times one generation of 32 prompts x 4 samples x 64 tokens (the size of one GRPO rollout).
 ``--instruction TEXT`` (repeatable) replaces the prompt's instruction, to compare phrasings.
@@ -54,6 +54,7 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for mean@n / pass@n")
     parser.add_argument("--instruction", action="append", default=None)
     parser.add_argument("--time-batch", action="store_true")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0,
@@ -113,7 +114,7 @@ def main(argv=None):
             continue
         m = args.sampled_limit or len(rows)
         t0 = time.time()
-        sampled = llm.chat(conversations[:m], SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens),
+        sampled = llm.chat(conversations[:m], SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens),
                                               use_tqdm=False)
         entry["sampled_s"] = round(time.time() - t0, 1)
         entry[f"sampled_n{args.n}"] = summarize(rows[:m], [[c.text for c in o.outputs] for o in sampled])

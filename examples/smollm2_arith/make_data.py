@@ -64,9 +64,9 @@ TEMPLATES = {
 # Operand ranges (inclusive) per operation. Chosen so that SmolLM2-135M-Instruct solves a minority of
 # problems greedily but a clearly larger share among 4 samples (see README.md for the measurements).
 RANGES = {
-    "add": ((10, 99), (10, 99)),
-    "sub": ((20, 99), (10, 89)),  # b < a
-    "mul": ((2, 20), (3, 15)),
+    "add": ((2, 40), (2, 40)),
+    "sub": ((5, 50), (1, 40)),  # b < a
+    "mul": ((2, 12), (2, 12)),
 }
 OPS = ("add", "sub", "mul")
 

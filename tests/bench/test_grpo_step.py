@@ -1,0 +1,37 @@
+"""bench/grpo_step.py end to end on the built-in model, for hflow and the minimal loop (TRL needs its own
+environment and is left to the benchmark itself): both run, do the same work, and the table compares them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
+    out = tmp_path / "grpo_step"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "grpo_step.py"), "--workloads", "builtin", "--systems", "hflow,minimal",
+         "--iterations", "2", "--warmup", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    results = report["results"]["builtin"]
+    for system in ("hflow", "minimal"):
+        entry = results[system]
+        assert len(entry["iteration_s"]) == 2, entry
+        summary = entry["summary"]
+        assert summary["measured_iterations"] == 1 and summary["iteration_s"] > 0 and summary["tokens_per_s"] > 0
+        for phase in ("gen", "weight_sync", "old_log_prob", "ref", "update_actor"):
+            assert summary[phase] > 0, (system, phase)
+        # the same prompts and the same rewards function: both saw rewards in [0, 1]
+        assert all(0 <= r <= 1 for r in entry["reward_mean"])
+    # the table row of hflow carries its time ratio to the minimal loop
+    table = out.with_suffix(".md").read_text()
+    hflow_row = next(line for line in table.splitlines() if line.startswith("| builtin | hflow |"))
+    ratio = results["hflow"]["summary"]["iteration_s"] / results["minimal"]["summary"]["iteration_s"]
+    assert f"{ratio:.2f}x" in hflow_row
