@@ -6,9 +6,10 @@ One process, no Ray, no FSDP, no DataProto: the same in-process vLLM engine hflo
 arguments, same `reload_weights` sync) for generation, and plain torch for everything else. Each
 iteration does exactly hflow's arithmetic for the spec (`grpo_step.py` writes the matching hflow
 overrides): n samples per prompt of exactly `response_length` tokens at `temperature`, rule-based
-reward, log-probs of the sampled tokens under the policy (logits / T) and under the frozen
-reference, GRPO advantages, one AdamW step over the whole batch in micro-batches with the PPO
-clipped loss plus the low-variance KL loss, token-mean over the batch, gradient clipping at 1.0.
+reward, log-probs of the sampled tokens under the policy (logits / T; skipped with
+`reuse_update_log_probs`, as in hflow and TRL) and under the frozen reference, GRPO advantages,
+one AdamW step over the whole batch in micro-batches with the PPO clipped loss plus the
+low-variance KL loss, token-mean over the batch, gradient clipping at 1.0.
 The rows are padded only to the batch's longest prompt (what any hand-written loop does).
 """
 
@@ -130,9 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
         scores = torch.tensor([compute_score(text, batch_truths[k // n]) for k, text in enumerate(texts)])
         phases["reward"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        old_log_probs = score_all(policy, *tensors)
-        phases["old_log_prob"] = time.perf_counter() - t0
+        old_log_probs = None  # on-policy update: its own detached log-probs are the old ones
+        if not spec.get("reuse_update_log_probs", False):
+            t0 = time.perf_counter()
+            old_log_probs = score_all(policy, *tensors)
+            phases["old_log_prob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref_log_probs = score_all(reference, *tensors)
         phases["ref"] = time.perf_counter() - t0
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
             sl = slice(i, i + micro)
             log_probs = forward_log_probs(policy, *(t[sl] for t in tensors))
             mask = response_mask[sl]
-            pg_loss, *_ = compute_policy_loss(old_log_probs[sl], log_probs, advantages[sl], mask,
+            old = log_probs.detach() if old_log_probs is None else old_log_probs[sl]
+            pg_loss, *_ = compute_policy_loss(old, log_probs, advantages[sl], mask,
                                               cliprange=spec["clip_ratio"], loss_agg_mode="token-mean")
             kl = kl_penalty(log_probs, ref_log_probs[sl], "low_var_kl")
             # compute_policy_loss averages over this micro-batch; rescale to the batch-wide mean
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "system": "minimal",
         "threads": torch.get_num_threads(),
         "iteration_s": [r["phases"]["step"] for r in iterations],
-        "phases_s": {k: [r["phases"][k] for r in iterations] for k in iterations[0]["phases"]},
+        "phases_s": {k: [r["phases"].get(k, 0.0) for r in iterations] for k in iterations[0]["phases"]},
         "reward_mean": [r["reward_mean"] for r in iterations],
         "warmup": spec["warmup"],
     }

@@ -25,8 +25,10 @@ Systems, each in its own fresh process(es), iterations run back to back, the fir
 In the table `gen` excludes the weight sync for every system; `update_actor` of TRL is everything in its
 step that is not generation, sync, reward or reference (its old log-probs cost nothing: see grpo_trl.py).
 Every sample is exactly response_length tokens long (`ignore_eos`), so every system does the same
-amount of work whatever its policy samples. Each iteration: generate, reward, old log-probs, reference
-log-probs (KL loss, k3, coefficient 0.001), GRPO advantages, one AdamW step over the whole batch.
+amount of work whatever its policy samples. Each iteration: generate, reward, reference log-probs (KL
+loss, k3, coefficient 0.001), GRPO advantages, one AdamW step over the whole batch, on-policy: the old
+log-probs are the update's own detached ones (`reuse_update_log_probs`; TRL's only mode), so no system
+runs a separate old-log-prob pass. `--recompute-old-log-probs` adds that pass to hflow and the minimal loop.
 Prints one table (medians over the measured iterations; ratios hflow/minimal time and hflow/TRL
 throughput) and writes bench/results/grpo_step.{md,json}. Setup (TRL env, SmolLM2 conversion) is not timed.
 """
@@ -48,7 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PHASES = ("gen", "weight_sync", "reward", "old_log_prob", "ref", "adv", "update_actor")
 
-COMMON = {"temperature": 1.0, "kl_coef": 0.001, "clip_ratio": 0.2, "seed": 1}
+# reuse_update_log_probs: one on-policy update per iteration, so no system runs a separate old-log-prob
+# pass (TRL never does; hflow's algorithm.reuse_update_log_probs, the minimal loop likewise).
+COMMON = {"temperature": 1.0, "kl_coef": 0.001, "clip_ratio": 0.2, "seed": 1, "reuse_update_log_probs": True}
 WORKLOADS = {
     "builtin": {"batch_prompts": 32, "n": 8, "max_prompt_length": 32, "response_length": 8, "lr": 2e-4,
                 "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
@@ -117,6 +121,7 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None) -> dict:
     pd.read_parquet(spec["train_file"]).head(workers).to_parquet(val_file)  # validation is not timed
     overrides = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        f"algorithm.reuse_update_log_probs={str(spec['reuse_update_log_probs']).lower()}",
         f"data.train_files={spec['train_file']}", f"data.val_files={val_file}", "data.shuffle=false",
         f"data.train_batch_size={B}", f"data.max_prompt_length={spec['max_prompt_length']}",
         f"data.max_response_length={spec['response_length']}", f"data.seed={spec['seed']}",
@@ -215,7 +220,8 @@ def table(results: dict) -> str:
             if s is None:
                 lines.append(f"| {workload} | {system} | failed: {entry.get('error', '?')} |")
                 continue
-            cells = [workload, system, f"{s['iteration_s']:.2f}", f"{s['tokens_per_s']:.0f}"]
+            label = system + (" (earlier run)" if entry.get("reused_from") else "")
+            cells = [workload, label, f"{s['iteration_s']:.2f}", f"{s['tokens_per_s']:.0f}"]
             cells += [f"{s[p]:.2f}" if p in s else "-" for p in PHASES]
             is_hflow = system.startswith("hflow")
             cells.append(f"{s['iteration_s'] / minimal['iteration_s']:.2f}x" if is_hflow and minimal else "-")
@@ -239,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (hflow: one worker each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "grpo_step")
+    parser.add_argument("--recompute-old-log-probs", action="store_true",
+                        help="hflow and the minimal loop compute old log-probs in a pass of their own")
+    parser.add_argument("--reuse", type=Path, help="a previous report: keep its results of the systems not run now")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -254,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                 parser.error(f"--workloads: unknown {workload!r}; choose from {list(WORKLOADS)}")
             model, source_file = workload_files(workload, Path(tmp))
             spec = {**COMMON, **WORKLOADS[workload], "model": model, "iterations": args.iterations,
-                    "warmup": args.warmup, "threads": args.threads}
+                    "warmup": args.warmup, "threads": args.threads,
+                    "reuse_update_log_probs": not args.recompute_old_log_probs}
             spec["train_file"] = prompt_file(source_file, spec, Path(tmp) / f"{workload}_prompts.parquet")
             tokens = tokens_per_iteration(spec)
             results[workload] = {"spec": spec}
@@ -277,6 +287,12 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
                     f"{raw['summary']['iteration_s']:.2f} s/iter")
 
+    if args.reuse:  # results of other systems from an earlier run of the same benchmark
+        earlier = json.loads(args.reuse.read_text())["results"]
+        for workload, systems_done in results.items():
+            for system, entry in earlier.get(workload, {}).items():
+                if system != "spec" and system not in systems_done and "summary" in entry:
+                    systems_done[system] = {**entry, "reused_from": str(args.reuse)}
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
               "warmup": args.warmup, "results": results}
     text = table({w: {k: v for k, v in r.items() if k != "spec"} for w, r in results.items()})

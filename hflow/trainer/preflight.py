@@ -80,6 +80,18 @@ def preflight_check(config: DictConfig) -> None:
         _check_choice(algo.kl_penalty.rstrip("+"), KL_TYPES, "algorithm.kl_penalty")
         _check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     _check_choice(rollout.name, ("vllm", "hf"), "actor_rollout_ref.rollout.name")
+    if algo.get("reuse_update_log_probs"):
+        actor = config.actor_rollout_ref.actor
+        if algo.get("use_rollout_log_probs"):
+            raise ConfigError("algorithm.reuse_update_log_probs and algorithm.use_rollout_log_probs both replace the "
+                              "old log-prob pass; set only one of them")
+        if (int(actor.ppo_epochs) != 1 or int(actor.ppo_mini_batch_size) != int(config.data.train_batch_size)
+                or algo.use_kl_in_reward):
+            raise ConfigError(
+                "algorithm.reuse_update_log_probs=true needs an on-policy update: actor_rollout_ref.actor.ppo_epochs=1, "
+                "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
+                f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
+                "algorithm.use_kl_in_reward=false")
     if algo.get("use_rollout_log_probs") and not rollout.calculate_log_probs:
         raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
     if algo.adv_estimator == "gae" and config.critic.model.path is None:

@@ -116,6 +116,16 @@ def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, asset
     assert abs(step["actor/ppo_kl"]) < 1e-5 and step["actor/pg_clipfrac"] == 0  # and the update stayed on-policy
 
 
+def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_path):
+    metrics = run(assets, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+                  "algorithm.reuse_update_log_probs=true", "actor_rollout_ref.actor.use_kl_loss=true")
+    step = metrics[0]
+    assert "timing_s/old_log_prob" not in step  # no forward pass of its own
+    assert step["actor/ppo_kl"] == 0 and step["actor/pg_clipfrac"] == 0  # ratio exactly 1
+    assert math.isfinite(step["actor/grad_norm"]) and math.isfinite(step["actor/pg_loss"])
+    assert "training/rollout_probs_diff_max" not in step  # the parity check needs the separate pass
+
+
 def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(

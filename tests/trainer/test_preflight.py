@@ -71,6 +71,8 @@ INVALID = [
     (["actor_rollout_ref.actor.policy_loss.loss_mode=trpo"], ["loss_mode"]),
     (["trainer.n_gpus_per_node=0"], ["n_gpus_per_node"]),
     (["trainer.cpus_per_worker=0"], ["trainer.cpus_per_worker"]),
+    (["algorithm.reuse_update_log_probs=true", "actor_rollout_ref.actor.ppo_epochs=2"],
+     ["algorithm.reuse_update_log_probs", "ppo_epochs"]),
     (["trainer.cpus_per_worker=3", "ray_init.num_cpus=4"], ["trainer.cpus_per_worker=3", "6 CPUs", "ray_init.num_cpus"]),
 ]
 

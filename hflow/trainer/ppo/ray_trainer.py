@@ -224,6 +224,8 @@ class RayPPOTrainer:
             # 4. log-probs of the sampled responses under the policy that generated them
             if algo.use_rollout_log_probs:  # the sampler already computed them
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            elif algo.reuse_update_log_probs:
+                pass  # on-policy update: its forward pass runs the sampling weights and detaches them
             else:
                 with timer("old_log_prob", timing):
                     old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)

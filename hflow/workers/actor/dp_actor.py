@@ -163,7 +163,11 @@ class DataParallelPPOActor(BasePPOActor):
         self.actor_module.train()
         cfg = self.config
         temperature = require_temperature(data.meta_info)
-        keys = [*_FORWARD_KEYS, "old_log_probs", "advantages"]
+        # Without old_log_probs the update is on-policy (one mini-batch, one epoch: the trainer checks):
+        # each micro-batch's detached log-probs are the old ones, ratio 1 with the policy gradient.
+        keys = [*_FORWARD_KEYS, "advantages"]
+        if "old_log_probs" in data.batch.keys():
+            keys.append("old_log_probs")
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
         if "response_mask" in data.batch.keys():
@@ -185,7 +189,7 @@ class DataParallelPPOActor(BasePPOActor):
                 micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0
             )
             pg_loss, pg_metrics = self.policy_loss_fn(
-                old_log_prob=micro_batch["old_log_probs"],
+                old_log_prob=micro_batch["old_log_probs"] if "old_log_probs" in micro_batch.keys() else log_prob.detach(),
                 log_prob=log_prob,
                 advantages=micro_batch["advantages"],
                 response_mask=mask,
