@@ -161,6 +161,13 @@ def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> flo
     return (a - b).abs()[mask.bool()].max().item()
 
 
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.05) -> None:
+    """Move every weight by seeded noise, as a training step would (so a stale sync shows up)."""
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=generator) * scale)
+
+
 def push(rollout, model: torch.nn.Module) -> None:
     rollout.update_weights((name, p.detach()) for name, p in model.named_parameters())
 
@@ -357,9 +364,7 @@ def test_weight_update_parity_with_long_prompts(rollout, hf_model, tiny_tokenize
 
     old = {name: p.detach().clone() for name, p in hf_model.named_parameters()}
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    perturb_(hf_model, generator)
     push(rollout, hf_model)
     out = rollout.generate_sequences(prompts)
     mask = out.batch["attention_mask"][:, PROMPT_LENGTH:]
@@ -381,9 +386,7 @@ def test_sharding_manager_syncs_fsdp2_weights(rollout, hf_model, tiny_tokenizer)
     from hflow.workers.sharding_manager import FSDPVLLMShardingManager
 
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    perturb_(hf_model, generator)
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
     for layer in hf_model.model.layers:
         fully_shard(layer, mesh=mesh)

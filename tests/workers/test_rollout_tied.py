@@ -19,6 +19,7 @@ from tests.workers.test_rollout import (  # noqa: F401  (world is a fixture)
     hf_log_probs,
     make_prompts,
     max_masked_diff,
+    perturb_,
     push,
     rollout_config,
     world,
@@ -41,9 +42,7 @@ def test_tied_embedding_model_follows_every_sync(tmp_path, tiny_tokenizer):
     generator = torch.Generator().manual_seed(5)
     try:
         for _ in range(2):  # the first sync replaces dummy weights, the second trained ones
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+            perturb_(model, generator)
             push(tied, model)
             out = tied.generate_sequences(prompts)
             mask = out.batch["attention_mask"][:, PROMPT_LENGTH:]
