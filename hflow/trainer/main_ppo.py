@@ -9,6 +9,7 @@ reported with the keys to change.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,20 +17,18 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hflow.trainer.preflight import preflight_check
-from hflow.utils import device
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "config")
 
 # Environment every worker process starts with: in-process vLLM engines (the hybrid engine shares the
-# worker's torch.distributed world), no hidden torch.compile in the sampler, quiet tokenizers.
+# worker's torch.distributed world), quiet tokenizers. Whatever depends on a worker's device is decided
+# in the worker, which knows it; the driver may sit on a node without one.
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARN",
     "NCCL_DEBUG": "WARN",
 }
-if not device.is_cuda():
-    WORKER_ENV["TORCHDYNAMO_DISABLE"] = "1"
 
 
 def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> None:
@@ -70,19 +69,11 @@ def _leaves(tree: dict, prefix: str = ""):
 
 def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
     """Train; `user_keys` are the config keys given on the command line."""
-    import ray
-
     fill_builtin_defaults(config, user_keys)
     preflight_check(config)
     OmegaConf.resolve(config)
-    trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before Ray starts
-    if not ray.is_initialized():
-        ray.init(
-            address=config.ray_init.address,
-            num_cpus=config.ray_init.num_cpus,
-            include_dashboard=False,
-            runtime_env={"env_vars": WORKER_ENV},
-        )
+    trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before any worker starts
+    start_backend(config)
     try:
         trainer.init_workers()
         val_metrics = trainer.fit()
@@ -90,6 +81,24 @@ def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
         trainer.shutdown()
     plot_learning_curve(config)
     return val_metrics
+
+
+def start_backend(config: DictConfig) -> None:
+    """Ray (started here, or joined at `ray_init.address`) for `trainer.backend=ray`; for `local`, the
+    workers' environment in this process, and Ray is never imported."""
+    if config.trainer.backend == "local":
+        for key, value in WORKER_ENV.items():
+            os.environ.setdefault(key, value)
+        return
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=config.ray_init.address,
+            num_cpus=config.ray_init.num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": WORKER_ENV},
+        )
 
 
 def build_trainer(config: DictConfig):
@@ -126,12 +135,11 @@ def main(config: DictConfig) -> None:
     try:
         run_ppo(config, user_keys)
     except KeyboardInterrupt:
-        # run_ppo's cleanup has killed the worker actors; stop the local Ray cluster too, then exit
-        # normally so that every exit handler (scoring processes, loggers) runs.
-        import ray
-
+        # run_ppo's cleanup has stopped the workers; stop a local Ray cluster too, then exit normally
+        # so that every exit handler (scoring processes, loggers) runs.
+        if "ray" in sys.modules:
+            sys.modules["ray"].shutdown()
         print("interrupted: workers stopped", file=sys.stderr)
-        ray.shutdown()
         sys.exit(130)
 
 

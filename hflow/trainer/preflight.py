@@ -53,6 +53,12 @@ def preflight_check(config: DictConfig) -> None:
     world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
     if world < 1:
         raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
+    backend = trainer.get("backend", "ray")
+    _check_choice(backend, ("ray", "local"), "trainer.backend")
+    if backend == "local" and world != 1:
+        raise ConfigError(
+            f"trainer.backend=local runs one rank in this process, but trainer.n_gpus_per_node x trainer.nnodes "
+            f"= {world}; set trainer.n_gpus_per_node=1 trainer.nnodes=1, or use trainer.backend=ray")
     n = int(rollout.n)
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
@@ -169,16 +175,20 @@ def preflight_check(config: DictConfig) -> None:
     cpus = int(trainer.get("cpus_per_worker", 1))
     if cpus < 1:
         raise ConfigError(f"trainer.cpus_per_worker must be >= 1, got {cpus}")
+    threads = trainer.get("threads_per_worker")
+    if threads is not None and int(threads) < 1:
+        raise ConfigError(f"trainer.threads_per_worker must be >= 1 or null, got {threads}")
     available = config.ray_init.get("num_cpus") or os.cpu_count()
     joins_cluster = config.ray_init.get("address") or os.environ.get("RAY_ADDRESS")
-    if int(trainer.nnodes) == 1 and not joins_cluster and cpus * int(trainer.n_gpus_per_node) > available:
+    if (backend == "ray" and int(trainer.nnodes) == 1 and not joins_cluster
+            and cpus * int(trainer.n_gpus_per_node) > available):
         raise ConfigError(
             f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} workers x trainer.cpus_per_worker={cpus} CPUs "
             f"need {cpus * int(trainer.n_gpus_per_node)} CPUs but this node has {available} "
             "(ray_init.num_cpus or the machine's cores); lower one of them")
     from hflow.utils import device
 
-    if device.is_cuda():
+    if device.is_cuda() and int(trainer.nnodes) == 1 and not joins_cluster:  # the driver's node is the one node
         import torch
 
         if int(trainer.n_gpus_per_node) > torch.cuda.device_count():

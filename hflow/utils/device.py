@@ -41,15 +41,37 @@ def is_cuda() -> bool:
     return device_name() == "cuda"
 
 
-def local_device_index() -> int:
-    """Index of this process's GPU among the visible ones.
+def cluster_has_gpus(cluster_resources: dict[str, float]) -> bool:
+    """Whether workers of a cluster with these resources (Ray's view) should hold GPUs.
 
-    Ray gives each worker one GPU through CUDA_VISIBLE_DEVICES, so the index is 0; under torchrun
-    every process sees all GPUs and LOCAL_RANK picks one.
+    The cluster, not the driver, decides: the driver may sit on a head node without a GPU.
+    `HFLOW_DEVICE=cpu` still forces CPU workers.
     """
-    if not is_cuda() or torch.cuda.device_count() == 1:
+    forced = os.environ.get(_ENV_KEY, "").strip().lower()
+    return forced != "cpu" and cluster_resources.get("GPU", 0) > 0
+
+
+def visible_device_count() -> int:
+    """How many devices this process can address: its GPUs, or 1 (the host) on CPU. `LOCAL_RANK`
+    indexes into these and must stay below this count."""
+    return torch.cuda.device_count() if is_cuda() else 1
+
+
+def local_device_index() -> int:
+    """Index of this process's GPU among the visible ones: `LOCAL_RANK` (see
+    `hflow.single_controller.base.worker` for the contract). Ray gives each worker one GPU through
+    CUDA_VISIBLE_DEVICES, so it is 0 there; under torchrun every process sees all GPUs and
+    LOCAL_RANK picks one. A value past the visible devices is an error, not a silent wrap-around."""
+    if not is_cuda():
         return 0
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if not 0 <= index < visible_device_count():
+        raise RuntimeError(
+            f"LOCAL_RANK={index} but this process sees {visible_device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); LOCAL_RANK is the index "
+            "of this process's device among the visible ones"
+        )
+    return index
 
 
 def get_device() -> torch.device:
@@ -68,8 +90,11 @@ def set_device() -> torch.device:
 
 
 def dist_backend() -> str:
-    """The torch.distributed backend for collectives between workers."""
-    return "nccl" if is_cuda() else "gloo"
+    """The torch.distributed backend for collectives between workers.
+
+    On GPU, NCCL for device tensors and gloo for host tensors: object collectives, checkpoint
+    metadata and host-offloaded state then never go through NCCL."""
+    return "cpu:gloo,cuda:nccl" if is_cuda() else "gloo"
 
 
 def ray_resource() -> str:

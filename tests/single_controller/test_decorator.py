@@ -17,6 +17,7 @@ from hflow.single_controller.base.decorator import (
     register_dispatch_mode,
     update_dispatch_mode,
 )
+from hflow.single_controller.base.worker_group import rank_side_class
 
 
 def _dispatch(wg, *args, **kwargs):
@@ -85,14 +86,27 @@ def test_padding_rows_per_rank(length, world, expected):
     assert padding_rows_per_rank(length, world) == expected
 
 
-def test_worker_side_wrapper_strips_padding_rows_with_repeat_factor():
+def test_register_only_records_metadata():
+    def twice(self, data):
+        return data.repeat(2, interleave=True)
+
+    assert register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)(twice) is twice
+    assert getattr(twice, MAGIC_ATTR)["dispatch_mode"] is Dispatch.DP_COMPUTE_PROTO
+
+
+def test_rank_side_class_strips_padding_rows_with_repeat_factor():
     class W:
         @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
         def twice(self, data):
             return data.repeat(2, interleave=True)
 
+        def plain(self):
+            return "plain"
+
     chunk = DataProto.from_dict({"x": torch.arange(3)})
-    out = W().twice(chunk, **{SHARD_KWARG: {"rank": 1, "world_size": 2, "pad_rows": 2}})
+    ranked = rank_side_class(W)()
+    out = ranked.twice(chunk, **{SHARD_KWARG: {"rank": 1, "world_size": 2, "pad_rows": 2}})
     assert out.batch["x"].tolist() == [0, 0]  # the last two input rows were padding
-    # Called locally, without dispatch metadata, the method behaves as written.
+    assert isinstance(ranked, W) and ranked.plain() == "plain"
+    # The class as written is untouched: called directly, the method behaves as written.
     assert len(W().twice(chunk)) == 6

@@ -20,8 +20,6 @@ exactly as many rows as went in (times the method's repeat factor, e.g. `n` samp
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Callable
 
 from hflow.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor
@@ -211,17 +209,23 @@ def dispatch_dp_compute_data_proto_with_func(worker_group, func, *args, **kwargs
 
 
 def collect_dp_compute_data_proto(worker_group, outputs):
-    """Concatenate per-rank DataProtos, or (non-blocking) wrap the per-rank object refs in a future."""
-    import ray
+    """Concatenate per-rank DataProtos, or (non-blocking) wrap the per-rank pending results in a future.
 
-    if all(isinstance(out, ray.ObjectRef) for out in outputs):
-        return DataProtoFuture.concat(list(outputs))
+    A backend that runs calls eagerly (the local one) hands over DataProtos even for `blocking=False`.
+    """
     if all(isinstance(out, DataProto) for out in outputs):
         return DataProto.concat(list(outputs))
+    if all(_is_pending_result(out) for out in outputs):
+        return DataProtoFuture.concat(list(outputs))
     raise TypeError(
         "DP_COMPUTE_PROTO methods must return a DataProto on every rank; got "
         + ", ".join(type(out).__name__ for out in outputs)
     )
+
+
+def _is_pending_result(value) -> bool:
+    """A Ray object ref, recognised without importing Ray (the local backend must not need it)."""
+    return type(value).__name__ == "ObjectRef" and type(value).__module__.startswith("ray")
 
 
 DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Callable]] = {
@@ -304,10 +308,11 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
              materialize_futures: bool = True):
     """Declare how a worker method is dispatched to ranks, executed and collected.
 
-    The method keeps its local behaviour; on the worker side it additionally resolves
-    `DataProtoFuture` arguments (when `materialize_futures`) and strips the outputs of padding rows.
-    `Dispatch.RANK_ZERO` implies `Execute.RANK_ZERO`; `ONE_TO_ALL` with `Execute.RANK_ZERO` gives rank 0
-    the arguments as they are.
+    The decorator only records this metadata on the function (under `MAGIC_ATTR`); the method itself
+    is unchanged. Worker groups of every backend read it when they are built (see
+    `hflow.single_controller.base.worker_group`). `Dispatch.RANK_ZERO` implies `Execute.RANK_ZERO`;
+    `ONE_TO_ALL` with `Execute.RANK_ZERO` gives rank 0 the arguments as they are.
+    `materialize_futures=False` hands `DataProtoFuture` arguments to the method unresolved.
     """
     _check_dispatch_mode(dispatch_mode)
     _check_execute_mode(execute_mode)
@@ -316,29 +321,12 @@ def register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.ALL, blocki
     if dispatch_mode is Dispatch.ONE_TO_ALL and execute_mode is Execute.RANK_ZERO:
         # "Same arguments to every executing rank" with one executing rank: pass them through unreplicated.
         dispatch_mode = Dispatch.ALL_TO_ALL
-    attrs = {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode, "blocking": blocking}
+    attrs = {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode, "blocking": blocking,
+             "materialize_futures": materialize_futures}
 
     def decorator(func):
-        if inspect.iscoroutinefunction(func):
-
-            @functools.wraps(func)
-            async def inner(self, *args, **kwargs):
-                args, kwargs, pad_rows, in_rows = _prepare_inputs(args, kwargs, materialize_futures)
-                return _strip_padding(await func(self, *args, **kwargs), pad_rows, in_rows)
-
-        else:
-
-            @functools.wraps(func)
-            def inner(self, *args, **kwargs):
-                args, kwargs, pad_rows, in_rows = _prepare_inputs(args, kwargs, materialize_futures)
-                return _strip_padding(func(self, *args, **kwargs), pad_rows, in_rows)
-
-        # Ray checks call arguments against inspect.signature, which follows __wrapped__ to the user's
-        # signature and would reject the reserved shard keyword; the wrapper's own (self, *args, **kwargs)
-        # it is. Registered methods are always instance methods.
-        del inner.__wrapped__
-        setattr(inner, MAGIC_ATTR, attrs)
-        return inner
+        setattr(func, MAGIC_ATTR, attrs)
+        return func
 
     return decorator
 
@@ -350,7 +338,7 @@ def padding_rows_per_rank(length: int, world_size: int) -> list[int]:
     return [max(0, min((i + 1) * chunk, padded) - max(i * chunk, length)) for i in range(world_size)]
 
 
-def _prepare_inputs(args, kwargs, materialize_futures: bool):
+def prepare_inputs(args, kwargs, materialize_futures: bool):
     """Worker side: resolve futures into this rank's chunk and read how many of its rows are padding."""
     shard = kwargs.pop(SHARD_KWARG, None)
     pad_rows = shard["pad_rows"] if shard else 0
@@ -374,7 +362,7 @@ def _prepare_inputs(args, kwargs, materialize_futures: bool):
     return args, kwargs, pad_rows, in_rows
 
 
-def _strip_padding(output, pad_rows: int, in_rows: int | None):
+def strip_padding(output, pad_rows: int, in_rows: int | None):
     """Drop the outputs of padding rows: the last `pad_rows` inputs, times the method's repeat factor."""
     if not pad_rows or not isinstance(output, DataProto) or not in_rows:
         return output

@@ -1,52 +1,34 @@
 """`Worker`: the base class of every SPMD worker (one process per device).
 
-A worker knows its place in its group -- rank, world size, local rank, and the rendezvous address
-(`MASTER_ADDR`/`MASTER_PORT`) that rank 0 publishes for the others -- from environment variables the
-worker group sets. It does not start torch.distributed itself: the worker that needs collectives calls
-`init_distributed()` (NCCL on GPU, gloo on CPU) when it builds its model.
+A worker knows its place in its group from environment variables that the worker group sets before
+the worker is built -- the torchrun names, so torch.distributed and vLLM read the same values:
 
-Rendezvous: rank 0 picks its node address and a free port *before* its `__init__` runs (in `__new__`,
-so a slow or collective-using `__init__` cannot delay it) and publishes them under the group's name in
-Ray's key-value store. The other ranks, started at the same time, read them there (waiting until rank 0
-has published), and so does the driver.
+| variable            | meaning                                                                    |
+|---------------------|----------------------------------------------------------------------------|
+| `RANK`, `WORLD_SIZE`| this process's rank in the group, and the group's size                     |
+| `LOCAL_RANK`        | index of this process's device among the devices *it can see*: 0 when the  |
+|                     | backend gives each process one device (Ray bundles, the local backend)     |
+| `LOCAL_WORLD_SIZE`  | processes of the group on this node                                        |
+| `NODE_LOCAL_RANK`   | this process's position among them (0 .. LOCAL_WORLD_SIZE - 1)            |
+| `MASTER_ADDR/PORT`  | the rendezvous: rank 0's node address and a free port there                |
+
+`LOCAL_RANK` is a device index, not a position on the node, because that is how every consumer uses
+it: `torch.cuda.set_device(LOCAL_RANK)` and vLLM's `assert local_rank < device_count()`. With one GPU
+per Ray actor, a node-position `LOCAL_RANK` of 1..7 would point past the only visible device.
+
+The worker does not rendezvous in its constructor: the group builds every worker, asks rank 0 for an
+address (`pick_rendezvous_address`) and hands it to all ranks (`set_rendezvous`) before any method that
+needs collectives (`init_model`) runs. `init_distributed()` then joins the default process group.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import time
+import sys
 from contextlib import closing
 
 from hflow.single_controller.base.decorator import Dispatch, Execute, register
-
-# Set while a colocated WorkerDict builds its roles, so the nested Worker.__new__ does not publish again.
-DISABLE_WORKER_INIT = "DISABLE_WORKER_INIT"
-
-
-def _rendezvous_key(name_prefix: str) -> bytes:
-    return f"hflow/{name_prefix}/rendezvous".encode()
-
-
-def publish_rendezvous(name_prefix: str, addr: str, port: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(_rendezvous_key(name_prefix), json.dumps([addr, port]).encode(), overwrite=True)
-
-
-def read_rendezvous(name_prefix: str) -> tuple[str, str] | None:
-    """Rank 0's (MASTER_ADDR, MASTER_PORT) for the group, or None if it has not published yet."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    value = _internal_kv_get(_rendezvous_key(name_prefix))
-    return tuple(json.loads(value)) if value else None
-
-
-def forget_rendezvous(name_prefix: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(_rendezvous_key(name_prefix))
 
 
 def get_free_port() -> int:
@@ -55,40 +37,17 @@ def get_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def get_node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
+def node_ip_address() -> str:
+    """This node's address as other nodes reach it: Ray's view when this process runs under Ray, else
+    loopback (a single-process group)."""
+    ray = sys.modules.get("ray")  # never import Ray here: the local backend runs without it
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
     return "127.0.0.1"
 
 
 class Worker:
     """Base class of SPMD workers; subclasses add `@register`-ed methods."""
-
-    def __new__(cls, *args, **kwargs):
-        instance = super().__new__(cls)
-        if os.environ.get(DISABLE_WORKER_INIT, "0") not in ("", "0"):
-            return instance
-        rank, prefix = os.environ.get("RANK"), os.environ.get("WG_PREFIX")
-        if rank is not None and prefix is not None and int(rank) == 0:
-            addr, port = get_node_ip(), str(get_free_port())
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
-            publish_rendezvous(prefix, addr, port)
-        return instance
-
-    @staticmethod
-    def _wait_for_rendezvous(prefix: str, timeout_s: float = 300.0) -> None:
-        """Non-zero ranks of a worker group: read rank 0's address (rank 0 may still be starting)."""
-        deadline = time.monotonic() + timeout_s
-        while (found := read_rendezvous(prefix)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 of worker group {prefix!r} did not publish its address in {timeout_s:.0f}s")
-            time.sleep(0.05)
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = found
 
     def __init__(self):
         env = os.environ
@@ -96,20 +55,6 @@ class Worker:
         self._world_size = int(env.get("WORLD_SIZE", "1"))
         self._local_rank = int(env.get("LOCAL_RANK", "0"))
         self._local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        prefix = env.get("WG_PREFIX")
-        if prefix and env.get(DISABLE_WORKER_INIT, "0") in ("", "0"):
-            # Always the group's own address: a MASTER_ADDR inherited from the driver's environment
-            # (e.g. a stand-alone worker built there before Ray started) would pair ranks on a stale port.
-            self._wait_for_rendezvous(prefix)
-        if self._world_size == 1:
-            # A stand-alone worker (built in-process, e.g. for debugging) rendezvouses with itself.
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(get_free_port()))
-        self._master_addr = env.get("MASTER_ADDR")
-        self._master_port = env.get("MASTER_PORT")
-        for key, value in (("RANK", self._rank), ("WORLD_SIZE", self._world_size),
-                           ("LOCAL_RANK", self._local_rank), ("LOCAL_WORLD_SIZE", self._local_world_size)):
-            env[key] = str(value)
 
     @property
     def rank(self) -> int:
@@ -121,19 +66,31 @@ class Worker:
 
     @property
     def local_rank(self) -> int:
+        """Index of this process's device among the visible ones (see the module docstring)."""
         return self._local_rank
 
     @property
     def local_world_size(self) -> int:
         return self._local_world_size
 
+    # ------------------------------------------------------------------ rendezvous (called by the group)
+
+    def pick_rendezvous_address(self) -> tuple[str, str]:
+        """This node's address and a free port on it; the group asks rank 0 and hands the answer to all."""
+        return node_ip_address(), str(get_free_port())
+
+    def set_rendezvous(self, master_addr: str, master_port: str) -> None:
+        """Where rank 0 listens. Process-wide, so colocated roles of this process see it too."""
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(master_addr), str(master_port)
+
     def get_master_addr_port(self) -> tuple[str | None, str | None]:
-        return self._master_addr, self._master_port
+        return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
 
     def init_distributed(self, timeout_s: float = 600.0) -> None:
         """Join this group's default torch.distributed process group (idempotent).
 
-        NCCL on GPU, gloo on CPU (the device helper decides). Colocated roles in one process share it.
+        The device helper picks the backend (gloo on CPU; NCCL for device tensors plus gloo for host
+        tensors on GPU). Colocated roles in one process share the group.
         """
         import datetime
 
@@ -143,15 +100,19 @@ class Worker:
 
         if dist.is_initialized():
             return
-        if self._master_addr is None or self._master_port is None:
-            raise RuntimeError(
-                f"rank {self._rank}: MASTER_ADDR/MASTER_PORT are not set; start workers through a "
-                "RayWorkerGroup (rank 0 publishes them) or set them in the environment"
-            )
+        addr, port = self.get_master_addr_port()
+        if addr is None or port is None:
+            if self._world_size > 1:
+                raise RuntimeError(
+                    f"rank {self._rank}: MASTER_ADDR/MASTER_PORT are not set; build workers through a worker "
+                    "group (it hands rank 0's address to every rank) or set them in the environment"
+                )
+            addr, port = "127.0.0.1", str(get_free_port())  # a stand-alone worker meets itself
+            self.set_rendezvous(addr, port)
         device.set_device()
         dist.init_process_group(
             backend=device.dist_backend(),
-            init_method=f"tcp://{self._master_addr}:{self._master_port}",
+            init_method=f"tcp://{addr}:{port}",
             rank=self._rank,
             world_size=self._world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -1,13 +1,26 @@
-"""Backend-independent parts of a worker group: resource pools, deferred construction, method binding."""
+"""Backend-independent parts of a worker group: resource pools, deferred construction, colocation, and
+the one place where `@register` metadata becomes behaviour, for every backend:
+
+* rank side -- `rank_side_class(cls)` wraps each registered method so that a rank resolves
+  `DataProtoFuture` arguments into its own chunk and drops the outputs of padding rows;
+* driver side -- `WorkerGroup._bind_worker_method` gives the group one method per registered method
+  that runs dispatch -> execute -> wait -> collect, where only `execute_*` and `wait` are the
+  backend's own (Ray actors, or the driver's process for the local backend).
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 from typing import Any, Callable
 
 from hflow.single_controller.base.decorator import (
     MAGIC_ATTR,
     get_predefined_execute_fn,
+    prepare_inputs,
     resolve_dispatch_fns,
+    strip_padding,
 )
 
 
@@ -73,8 +86,69 @@ def registered_methods(cls: type) -> dict[str, dict]:
     return methods
 
 
+class WorkerGroupError(RuntimeError):
+    """A worker method failed (raised, or its process died) on one rank."""
+
+
+def _rank_side_method(func: Callable, attrs: dict) -> Callable:
+    """`func` as a rank runs it for a group call: futures resolved to this rank's chunk, padding dropped."""
+    materialize = attrs.get("materialize_futures", True)
+    if inspect.iscoroutinefunction(func):
+
+        async def run(self, *args, **kwargs):
+            args, kwargs, pad_rows, in_rows = prepare_inputs(args, kwargs, materialize)
+            return strip_padding(await func(self, *args, **kwargs), pad_rows, in_rows)
+
+    else:
+
+        def run(self, *args, **kwargs):
+            args, kwargs, pad_rows, in_rows = prepare_inputs(args, kwargs, materialize)
+            return strip_padding(func(self, *args, **kwargs), pad_rows, in_rows)
+
+    functools.update_wrapper(run, func)
+    # Ray checks call arguments against inspect.signature, which would follow __wrapped__ to the user's
+    # signature and reject the reserved shard keyword.
+    del run.__wrapped__
+    setattr(run, MAGIC_ATTR, attrs)
+    return run
+
+
+def rank_side_class(cls: type) -> type:
+    """A subclass of worker class `cls` whose registered methods run as group calls need (see
+    `_rank_side_method`); what both backends instantiate. Unregistered methods are untouched."""
+    methods = {name: _rank_side_method(getattr(cls, name), attrs) for name, attrs in registered_methods(cls).items()}
+    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def per_rank_arguments(n: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    """Each rank's arguments for a call on `n` ranks: if every argument is a list of length `n`, rank i
+    gets element i of each (scatter); otherwise every rank gets the same arguments (broadcast)."""
+    values = [*args, *kwargs.values()]
+    if values and all(isinstance(v, list) and len(v) == n for v in values):
+        return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(n)]
+    return [(args, kwargs)] * n
+
+
+def _make_group_method(worker_group: "WorkerGroup", method_name: str, dispatch_fn: Callable,
+                       collect_fn: Callable, execute_fn: Callable, blocking: bool) -> Callable:
+    """The driver-side body of a registered method: dispatch -> execute -> (wait) -> collect."""
+
+    def group_method(*args, **kwargs):
+        args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
+        pending = execute_fn(method_name, *args, **kwargs)
+        outputs = worker_group.wait(method_name, pending) if blocking else pending
+        return collect_fn(worker_group, outputs)
+
+    group_method.__name__ = method_name
+    return group_method
+
+
 class WorkerGroup:
-    """A set of workers driven as one: registered worker methods become methods of the group."""
+    """A set of workers driven as one: registered worker methods become methods of the group.
+
+    A backend provides the workers and four primitives: `execute_all_async` / `execute_rank_zero_async`
+    (start a call by method name), `wait` (its results, in rank order) and `shutdown`.
+    """
 
     def __init__(self, resource_pool: ResourcePool | None, **kwargs):
         self._resource_pool = resource_pool
@@ -88,12 +162,58 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self._workers)
 
-    def _bind_worker_method(self, user_defined_cls: type, func_generator: Callable, prefix: str | None = None):
+    @property
+    def worker_names(self) -> list[str]:
+        return self._worker_names
+
+    @property
+    def workers(self) -> list:
+        return self._workers
+
+    @property
+    def master_address(self) -> str | None:
+        return self._master_addr
+
+    @property
+    def master_port(self) -> str | None:
+        return self._master_port
+
+    def _rendezvous(self) -> None:
+        """Rank 0 picks the address; every rank learns it before any method that needs collectives."""
+        self._master_addr, self._master_port = self.execute_rank_zero_sync("pick_rendezvous_address")
+        self.execute_all_sync("set_rendezvous", self._master_addr, self._master_port)
+
+    def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
+        return self.wait(method_name, self.execute_all_async(method_name, *args, **kwargs))
+
+    def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
+        return self.wait(method_name, self.execute_rank_zero_async(method_name, *args, **kwargs))
+
+    execute_all = property(lambda self: self.execute_all_async)
+    execute_rank_zero = property(lambda self: self.execute_rank_zero_async)
+
+    def spawn(self, prefix_set) -> dict[str, "WorkerGroup"]:
+        """Per-role views of a colocated group: `spawn({"actor", "critic"})["critic"].update_critic(...)`.
+
+        Each view drives the same workers; its methods are the role's methods without the role prefix.
+        """
+        views = {}
+        for prefix in prefix_set:
+            view = copy.copy(self)
+            for name in self.method_names:
+                view.__dict__.pop(name, None)
+            if not view._bind_worker_method(self._worker_cls, prefix=prefix):
+                raise ValueError(f"the colocated class has no role {prefix!r}")
+            views[prefix] = view
+        return views
+
+    def _bind_worker_method(self, user_defined_cls: type, prefix: str | None = None) -> list[str]:
         """Give this group one method per registered method of `user_defined_cls`.
 
         With `prefix`, only methods named `{prefix}_<name>` are bound, under `<name>` (the per-role
         view of a colocated class); the remote call still targets the prefixed name.
         """
+        self._worker_cls = user_defined_cls
         bound = []
         for remote_name, attrs in registered_methods(user_defined_cls).items():
             if prefix is None:
@@ -109,15 +229,60 @@ class WorkerGroup:
                 )
             fns = resolve_dispatch_fns(attrs["dispatch_mode"])
             execute_fn = getattr(self, get_predefined_execute_fn(attrs["execute_mode"])["execute_fn_name"])
-            method = func_generator(
-                self,
-                remote_name,
-                dispatch_fn=fns["dispatch_fn"],
-                collect_fn=fns["collect_fn"],
-                execute_fn=execute_fn,
-                blocking=attrs["blocking"],
-            )
+            method = _make_group_method(self, remote_name, dispatch_fn=fns["dispatch_fn"],
+                                        collect_fn=fns["collect_fn"], execute_fn=execute_fn,
+                                        blocking=attrs["blocking"])
             setattr(self, local_name, method)
             bound.append(local_name)
         self.method_names = bound
         return bound
+
+
+# ---------------------------------------------------------------------- colocation
+
+
+def _forwarder(role: str, method_name: str, attrs: dict, is_async: bool) -> Callable:
+    """A colocated class's method that forwards to one role's registered method, keeping its attrs."""
+    if is_async:
+
+        async def forward(self, *args, **kwargs):
+            return await getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+
+    else:
+
+        def forward(self, *args, **kwargs):
+            return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+
+    forward.__name__ = f"{role}_{method_name}"
+    setattr(forward, MAGIC_ATTR, attrs)
+    return forward
+
+
+def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> ClassWithInitArgs:
+    """One worker class that hosts several roles in the same process (one process per device).
+
+    Role `key`'s registered method `m` becomes `key_m` on the combined class; `WorkerGroup.spawn`
+    turns the group back into one view per role. Roles share the process, its device and its
+    torch.distributed group, so they take turns on the device instead of partitioning the hardware.
+    Any backend's group can be built from the result.
+    """
+    from hflow.single_controller.base.worker import Worker
+
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one role")
+    roles = {role: (cwi.cls, cwi.args, cwi.kwargs) for role, cwi in class_dict.items()}
+    for role, (cls, _, _) in roles.items():
+        if not issubclass(cls, Worker):
+            raise TypeError(f"role {role!r}: {cls.__name__} must subclass hflow's Worker")
+
+    class WorkerDict(Worker):
+        def __init__(self):
+            super().__init__()
+            self.worker_dict = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in roles.items()}
+
+    for role, (cls, _, _) in roles.items():
+        for method_name, attrs in registered_methods(cls).items():
+            is_async = inspect.iscoroutinefunction(getattr(cls, method_name))
+            setattr(WorkerDict, f"{role}_{method_name}", _forwarder(role, method_name, attrs, is_async))
+    WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(roles)
+    return ClassWithInitArgs(WorkerDict)

@@ -1,55 +1,51 @@
-"""Worker groups on Ray: placement groups, actors, fail-fast result collection, colocation."""
+"""Worker groups on Ray: placement groups, one actor per device, fail-fast result collection."""
 
 from __future__ import annotations
 
-import inspect
-import os
 import random
 import string
 import time
-from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hflow.single_controller.base.decorator import MAGIC_ATTR
-from hflow.single_controller.base.worker import (
-    DISABLE_WORKER_INIT,
-    Worker,
-    forget_rendezvous,
-    read_rendezvous,
-)
 from hflow.single_controller.base.worker_group import (
     ClassWithInitArgs,
     ResourcePool,
     WorkerGroup,
-    registered_methods,
+    WorkerGroupError,
+    create_colocated_worker_cls as _create_colocated_worker_cls,
+    per_rank_arguments,
+    rank_side_class,
 )
 from hflow.utils import device
-
-
-class WorkerGroupError(RuntimeError):
-    """A worker method failed (raised, or its process died) on one rank."""
 
 
 class RayResourcePool(ResourcePool):
     """A resource pool backed by one Ray placement group per node, one bundle per worker process.
 
     Each bundle holds one device -- a GPU on GPU machines, nothing more on CPU-only machines -- and
-    `cpus_per_worker` CPUs (`use_gpu=None` asks the device helper). Ray sets a worker's
-    OMP_NUM_THREADS to its CPUs, so on a CPU-only machine this is the worker's torch thread count.
+    `cpus_per_worker` CPUs. `use_gpu=None` asks the cluster (GPU bundles when Ray has GPUs, unless
+    HFLOW_DEVICE=cpu), not the driver's own hardware: a head node without a GPU still drives GPU
+    workers. A worker's torch threads (OMP_NUM_THREADS) are `threads_per_worker`, by default its
+    CPUs: on a CPU-only machine the CPUs are the compute; a GPU worker that reserves one CPU still
+    wants several threads for its host-side work, which `threads_per_worker` gives without
+    reserving more of Ray's CPUs.
     """
 
     def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool | None = None,
                  name_prefix: str = "", max_colocate_count: int = 1, detached: bool = False,
-                 cpus_per_worker: int = 1):
+                 cpus_per_worker: int = 1, threads_per_worker: int | None = None):
         super().__init__(process_on_nodes, max_colocate_count)
         if cpus_per_worker < 1:
             raise ValueError(f"cpus_per_worker must be at least 1, got {cpus_per_worker}")
+        if threads_per_worker is not None and threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker}")
         self.cpus_per_worker = int(cpus_per_worker)
-        self.use_gpu = device.is_cuda() if use_gpu is None else use_gpu
+        self.threads_per_worker = threads_per_worker
+        self.use_gpu = device.cluster_has_gpus(ray.cluster_resources()) if use_gpu is None else use_gpu
         self.name_prefix = name_prefix
         self.detached = detached
         self.pgs: list[PlacementGroup] | None = None
@@ -118,10 +114,15 @@ class RayClassWithInitArgs(ClassWithInitArgs):
     """A worker class (plain or `ray.remote`) and its init args, started later as a Ray actor."""
 
     def __init__(self, cls: type, *args, **kwargs):
-        user_cls = getattr(cls, "__ray_actor_class__", cls)
-        super().__init__(user_cls, *args, **kwargs)
-        self.remote_cls = cls if hasattr(cls, "__ray_actor_class__") else ray.remote(cls)
+        super().__init__(getattr(cls, "__ray_actor_class__", cls), *args, **kwargs)
         self._options: dict[str, Any] = {}
+        self._remote_cls = None
+
+    @classmethod
+    def wrap(cls, cls_with_init: ClassWithInitArgs) -> "RayClassWithInitArgs":
+        if isinstance(cls_with_init, RayClassWithInitArgs):
+            return cls_with_init
+        return cls(cls_with_init.cls, *cls_with_init.args, **cls_with_init.kwargs)
 
     def update_options(self, options: dict[str, Any]) -> None:
         self._options.update(options)
@@ -143,49 +144,35 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         }
         if detached:
             options["lifetime"] = "detached"
-        return self.remote_cls.options(**options).remote(*self.args, **self.kwargs)
+        if self._remote_cls is None:
+            self._remote_cls = ray.remote(rank_side_class(self.cls))
+        return self._remote_cls.options(**options).remote(*self.args, **self.kwargs)
 
 
 def _random_prefix() -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=6))
 
 
-def _make_group_method(worker_group: "RayWorkerGroup", method_name: str, dispatch_fn: Callable,
-                       collect_fn: Callable, execute_fn: Callable, blocking: bool) -> Callable:
-    """The driver-side body of a registered method: dispatch -> execute -> (wait) -> collect."""
-
-    def group_method(*args, **kwargs):
-        args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
-        refs = execute_fn(method_name, *args, **kwargs)
-        outputs = worker_group.wait(method_name, refs) if blocking else refs
-        return collect_fn(worker_group, outputs)
-
-    group_method.__name__ = method_name
-    return group_method
-
-
 class RayWorkerGroup(WorkerGroup):
     """SPMD workers as Ray actors, one per bundle of a `RayResourcePool`.
 
-    Build it from a pool and a `RayClassWithInitArgs`, or attach it to existing actors
-    (`worker_names` / `worker_handles`, e.g. from `spawn`).
+    Build it from a pool and a worker class with its init args (`ClassWithInitArgs` or
+    `RayClassWithInitArgs`), or attach it to existing actors (`worker_names` / `worker_handles`).
     """
 
     def __init__(self, resource_pool: RayResourcePool | None = None,
-                 ray_cls_with_init: RayClassWithInitArgs | None = None, bin_pack: bool = True,
+                 ray_cls_with_init: ClassWithInitArgs | None = None, bin_pack: bool = True,
                  name_prefix: str | None = None, detached: bool = False, worker_names: list[str] | None = None,
-                 worker_handles: list | None = None, ray_wait_register_center_timeout: float = 300.0,
-                 **kwargs):
+                 worker_handles: list | None = None, **kwargs):
         super().__init__(resource_pool, **kwargs)
-        self.ray_cls_with_init = ray_cls_with_init
+        self.ray_cls_with_init = RayClassWithInitArgs.wrap(ray_cls_with_init) if ray_cls_with_init else None
         self.name_prefix = name_prefix or _random_prefix()
-        self._register_center_timeout = ray_wait_register_center_timeout
         if resource_pool is not None:
-            self._init_with_resource_pool(resource_pool, ray_cls_with_init, bin_pack, detached)
+            self._init_with_resource_pool(resource_pool, self.ray_cls_with_init, bin_pack, detached)
         else:
             self._init_with_existing_workers(worker_names, worker_handles)
-        if ray_cls_with_init is not None:
-            self._bind_worker_method(ray_cls_with_init.cls, _make_group_method)
+        if self.ray_cls_with_init is not None:
+            self._bind_worker_method(self.ray_cls_with_init.cls)
 
     # ------------------------------------------------------------------ construction
 
@@ -196,37 +183,25 @@ class RayWorkerGroup(WorkerGroup):
         pgs = pool.get_placement_groups(strategy="STRICT_PACK" if bin_pack else "PACK")
         per_process = {key: value / pool.max_colocate_count for key, value in pool.bundle().items()}
         class_name = cls_with_init.cls.__name__
-        # All ranks start at once; ranks > 0 read rank 0's rendezvous address when it is published.
         for pg_index, (pg, local_world_size) in enumerate(zip(pgs, pool.store)):
-            for local_rank in range(local_world_size):
+            for node_local_rank in range(local_world_size):
                 env_vars = {
                     "WORLD_SIZE": str(pool.world_size),
                     "RANK": str(len(self._workers)),
-                    "LOCAL_RANK": str(local_rank),
+                    # Each actor holds one device (Ray narrows CUDA_VISIBLE_DEVICES to it), so its index
+                    # among the visible devices is 0 (see hflow.single_controller.base.worker).
+                    "LOCAL_RANK": "0",
                     "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "NODE_LOCAL_RANK": str(node_local_rank),
                     "WG_PREFIX": self.name_prefix,
                     "WG_BACKEND": "ray",
                 }
-                name = f"{self.name_prefix}{class_name}_{pg_index}:{local_rank}"
-                self._workers.append(cls_with_init(pg, local_rank, per_process, env_vars, name, detached))
+                if pool.threads_per_worker is not None:
+                    env_vars["OMP_NUM_THREADS"] = str(pool.threads_per_worker)
+                name = f"{self.name_prefix}{class_name}_{pg_index}:{node_local_rank}"
+                self._workers.append(cls_with_init(pg, node_local_rank, per_process, env_vars, name, detached))
                 self._worker_names.append(name)
-        self._master_addr, self._master_port = self._read_rendezvous()
-
-    def _read_rendezvous(self) -> tuple[str, str]:
-        """Wait for rank 0 to publish MASTER_ADDR/PORT; fail fast if rank 0 dies while starting."""
-        started = self._workers[0].__ray_ready__.remote()
-        deadline = time.monotonic() + self._register_center_timeout
-        while time.monotonic() < deadline:
-            if (found := read_rendezvous(self.name_prefix)) is not None:
-                return found
-            done, _ = ray.wait([started], timeout=0.05)
-            if done:
-                self._get_one(done[0], rank=0, name=self._worker_names[0], method_name="__init__")
-        rank_zero_name = self._worker_names[0]
-        raise TimeoutError(
-            f"rank 0 ({rank_zero_name}) did not publish its rendezvous address within "
-            f"{self._register_center_timeout:.0f}s; is its worker class a subclass of hflow's Worker?"
-        )
+        self._rendezvous()
 
     def _init_with_existing_workers(self, worker_names: list[str] | None, worker_handles: list | None) -> None:
         if worker_handles is None:
@@ -242,47 +217,13 @@ class RayWorkerGroup(WorkerGroup):
         return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
                    worker_names=worker_names, worker_handles=worker_handles)
 
-    def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
-        """Per-role views of a colocated group: `spawn({"actor", "critic"})["critic"].update_critic(...)`.
-
-        Each view drives the same actors; its methods are the role's methods without the role prefix.
-        """
-        views = {}
-        for prefix in prefix_set:
-            view = RayWorkerGroup.from_detached(self.name_prefix, self._worker_names, self._workers)
-            view.ray_cls_with_init = self.ray_cls_with_init
-            view._master_addr, view._master_port = self._master_addr, self._master_port
-            if not view._bind_worker_method(self.ray_cls_with_init.cls, _make_group_method, prefix=prefix):
-                raise ValueError(f"the colocated class has no role {prefix!r}")
-            views[prefix] = view
-        return views
-
     def shutdown(self) -> None:
         """Kill this group's actors (views made by `spawn` share them) and release its resource pool."""
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []
-        forget_rendezvous(self.name_prefix)
         if isinstance(self._resource_pool, RayResourcePool):
             self._resource_pool.remove()
-
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def worker_names(self) -> list[str]:
-        return self._worker_names
-
-    @property
-    def workers(self) -> list:
-        return self._workers
-
-    @property
-    def master_address(self) -> str | None:
-        return self._master_addr
-
-    @property
-    def master_port(self) -> str | None:
-        return self._master_port
 
     # ------------------------------------------------------------------ execution
 
@@ -290,29 +231,11 @@ class RayWorkerGroup(WorkerGroup):
         return getattr(worker, method_name).remote(*args, **kwargs)
 
     def execute_all_async(self, method_name: str, *args, **kwargs) -> list:
-        """Call `method_name` on every rank. If every argument is a list of world-size length, rank i
-        gets element i of each (scatter); otherwise every rank gets the same arguments (broadcast)."""
-        n = len(self._workers)
-        values = [*args, *kwargs.values()]
-        if values and all(isinstance(v, list) and len(v) == n for v in values):
-            return [
-                self._call(worker, method_name, *(a[i] for a in args), **{k: v[i] for k, v in kwargs.items()})
-                for i, worker in enumerate(self._workers)
-            ]
-        return [self._call(worker, method_name, *args, **kwargs) for worker in self._workers]
-
-    execute_all = execute_all_async
-
-    def execute_all_sync(self, method_name: str, *args, **kwargs) -> list:
-        return self.wait(method_name, self.execute_all_async(method_name, *args, **kwargs))
+        return [self._call(worker, method_name, *rank_args, **rank_kwargs)
+                for worker, (rank_args, rank_kwargs) in zip(self._workers, per_rank_arguments(len(self._workers), args, kwargs))]
 
     def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
         return self._call(self._workers[0], method_name, *args, **kwargs)
-
-    execute_rank_zero = execute_rank_zero_async
-
-    def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
-        return self.wait(method_name, self.execute_rank_zero_async(method_name, *args, **kwargs))
 
     def wait(self, method_name: str, refs):
         """Results of one call on every rank, in rank order; raise as soon as any rank fails.
@@ -347,61 +270,6 @@ class RayWorkerGroup(WorkerGroup):
 # ---------------------------------------------------------------------- colocation
 
 
-@contextmanager
-def _env_set(key: str, value: str):
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
-
-
-def _forwarder(role: str, method_name: str, attrs: dict, is_async: bool) -> Callable:
-    """A WorkerDict method that forwards to one role's registered method, keeping its dispatch attrs."""
-    if is_async:
-
-        async def forward(self, *args, **kwargs):
-            return await getattr(self.worker_dict[role], method_name)(*args, **kwargs)
-
-    else:
-
-        def forward(self, *args, **kwargs):
-            return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
-
-    forward.__name__ = f"{role}_{method_name}"
-    setattr(forward, MAGIC_ATTR, attrs)
-    return forward
-
-
-def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
-    """One worker class that hosts several roles in the same process (one process per device).
-
-    Role `key`'s registered method `m` becomes `key_m` on the combined class; `RayWorkerGroup.spawn`
-    turns the group back into one view per role. Roles share the process, its device and its
-    torch.distributed group, so they take turns on the device instead of partitioning the hardware.
-    """
-    if not class_dict:
-        raise ValueError("create_colocated_worker_cls needs at least one role")
-    roles = {role: (cwi.cls, cwi.args, cwi.kwargs) for role, cwi in class_dict.items()}
-    for role, (cls, _, _) in roles.items():
-        if not issubclass(cls, Worker):
-            raise TypeError(f"role {role!r}: {cls.__name__} must subclass hflow's Worker")
-
-    class WorkerDict(Worker):
-        def __init__(self):
-            super().__init__()
-            self.worker_dict = {}
-            with _env_set(DISABLE_WORKER_INIT, "1"):
-                for role, (cls, args, kwargs) in roles.items():
-                    self.worker_dict[role] = cls(*args, **kwargs)
-
-    for role, (cls, _, _) in roles.items():
-        for method_name, attrs in registered_methods(cls).items():
-            is_async = inspect.iscoroutinefunction(getattr(cls, method_name))
-            setattr(WorkerDict, f"{role}_{method_name}", _forwarder(role, method_name, attrs, is_async))
-    WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(roles)
-    return RayClassWithInitArgs(WorkerDict)
+def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> RayClassWithInitArgs:
+    """`hflow.single_controller.base.create_colocated_worker_cls`, ready for a `RayWorkerGroup`."""
+    return RayClassWithInitArgs.wrap(_create_colocated_worker_cls(class_dict))

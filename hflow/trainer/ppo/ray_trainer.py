@@ -1,7 +1,8 @@
 """`RayPPOTrainer`: the single controller that runs PPO / GRPO (and relatives) step by step.
 
-Every role lives in one resource pool and, through the colocated worker class, in one process per
-device: actor+rollout (`actor_rollout`), the reference policy (`ref`, only when a KL term is used), the
+The workers run on Ray (`trainer.backend=ray`, one process per device) or in this process
+(`trainer.backend=local`, one rank); the trainer drives both the same way. Every role lives in one
+resource pool and, through the colocated worker class, in one process per device: actor+rollout (`actor_rollout`), the reference policy (`ref`, only when a KL term is used), the
 critic (`critic`, only for GAE) and the reward model (`rm`, only when enabled). `fit()` reads like the
 algorithm; each heavy phase is one worker-group call.
 """
@@ -22,12 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from hflow.single_controller.ray import (
-    RayClassWithInitArgs,
-    RayResourcePool,
-    RayWorkerGroup,
-    create_colocated_worker_cls,
-)
+from hflow.single_controller.base import ClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hflow.trainer.ppo import core_algos
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -91,6 +87,31 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
     batch.batch["returns"] = returns
 
 
+def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs) -> WorkerGroup:
+    """The workers of `trainer.backend`: Ray actors, one per device of every node (`ray`), or one rank
+    in this process (`local`: no Ray needed, debuggers and plain stack traces work)."""
+    if trainer_cfg.backend == "local":
+        from hflow.single_controller.local import LocalWorkerGroup
+
+        return LocalWorkerGroup(cls_with_init)
+    import ray
+
+    from hflow.single_controller.ray import RayResourcePool, RayWorkerGroup
+    from hflow.utils import device
+
+    nodes, per_node = int(trainer_cfg.nnodes), int(trainer_cfg.n_gpus_per_node)
+    threads = trainer_cfg.get("threads_per_worker")
+    use_gpu = device.cluster_has_gpus(ray.cluster_resources())
+    if threads is None and use_gpu:
+        # A GPU worker reserves one Ray CPU but its host-side work (data, tokenisation, optimizer
+        # offload) wants more threads than one: share the node's cores among its workers.
+        threads = max(1, int(ray.cluster_resources().get("CPU", 1) // nodes // per_node))
+    pool = RayResourcePool([per_node] * nodes, use_gpu=use_gpu, name_prefix="global_pool",
+                           cpus_per_worker=int(trainer_cfg.get("cpus_per_worker", 1)),
+                           threads_per_worker=None if threads is None else int(threads))
+    return RayWorkerGroup(pool, cls_with_init)
+
+
 class RayPPOTrainer:
     def __init__(self, config: DictConfig, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset,
                  collate_fn, train_dataloader, n_workers: int | None = None):
@@ -126,19 +147,16 @@ class RayPPOTrainer:
         """One pool, one process per device, every role colocated in it; the actor's engine is built last."""
         from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
-        trainer_cfg = self.config.trainer
-        pool = RayResourcePool([trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes, name_prefix="global_pool",
-                               cpus_per_worker=int(trainer_cfg.get("cpus_per_worker", 1)))
-        roles = {Role.ActorRollout.value: RayClassWithInitArgs(
+        roles = {Role.ActorRollout.value: ClassWithInitArgs(
             ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="actor_rollout")}
         if self.use_critic:
-            roles[Role.Critic.value] = RayClassWithInitArgs(CriticWorker, config=self.config.critic)
+            roles[Role.Critic.value] = ClassWithInitArgs(CriticWorker, config=self.config.critic)
         if self.use_reference_policy:
-            roles[Role.RefPolicy.value] = RayClassWithInitArgs(
+            roles[Role.RefPolicy.value] = ClassWithInitArgs(
                 ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="ref")
         if self.use_rm:
-            roles[Role.RewardModel.value] = RayClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
-        self.worker_group = RayWorkerGroup(pool, create_colocated_worker_cls(roles))
+            roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
+        self.worker_group = make_worker_group(self.config.trainer, create_colocated_worker_cls(roles))
         groups = self.worker_group.spawn(roles.keys())
         self.critic_wg = groups.get(Role.Critic.value)
         self.ref_policy_wg = groups.get(Role.RefPolicy.value)

@@ -1,0 +1,91 @@
+"""The rank contract every worker follows (hflow.single_controller.base.worker), checked where it can be
+on CPU, so that it holds on an 8-GPU node where each Ray actor sees exactly one device.
+
+`LOCAL_RANK` is the index of the worker's device among those it can see (0 under Ray), never its
+position on the node: vLLM's in-process executor reads it and asserts `local_rank < device_count()`,
+and torch.cuda.set_device uses it. The node position is `NODE_LOCAL_RANK`.
+"""
+
+import pytest
+import torch
+
+from hflow.single_controller.base import Dispatch, Worker, register
+from hflow.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from hflow.utils import device
+
+WORLD = 8  # the shape of one 8-GPU node
+
+
+class ContractProbe(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def report(self):
+        import os
+
+        import torch.distributed as dist
+
+        self.init_distributed()
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            # what vLLM's external-launcher executor reads (vllm/v1/executor/uniproc_executor.py)
+            "env_rank": int(os.environ["RANK"]),
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "node_local_rank": int(os.environ["NODE_LOCAL_RANK"]),
+            "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+            "visible_devices": device.visible_device_count(),
+            "device_index": device.local_device_index(),
+            "device": str(device.get_device()),
+            "backend": dist.get_backend(),
+            "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+        }
+
+
+def test_eight_workers_follow_the_rank_contract(ray_session):
+    group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), RayClassWithInitArgs(ContractProbe))
+    try:
+        reports = group.report()
+    finally:
+        group.shutdown()
+    assert [r["rank"] for r in reports] == list(range(WORLD)) == [r["env_rank"] for r in reports]
+    assert sorted(r["node_local_rank"] for r in reports) == list(range(WORLD))
+    for r in reports:
+        assert r["world_size"] == r["local_world_size"] == WORLD
+        # the check vLLM makes inside LLM(...): a device index past the visible devices fails there
+        assert r["local_rank"] < r["visible_devices"], r
+        assert r["local_rank"] == r["device_index"] == 0
+        assert r["device"] == "cpu" and r["backend"] == "gloo"
+    assert len({r["master"] for r in reports}) == 1  # one rendezvous, rank 0's
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """The device helper as it answers on a GPU worker that Ray gave `n` visible devices."""
+    def visible(n):
+        monkeypatch.setattr(device, "device_name", lambda: "cuda")
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return visible
+
+
+def test_local_rank_past_the_visible_devices_is_an_error(pretend_cuda, monkeypatch):
+    pretend_cuda(1)  # a Ray actor holding one GPU
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert device.local_device_index() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")  # what a node-position LOCAL_RANK would give rank 3
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but this process sees 1 GPU"):
+        device.local_device_index()
+    pretend_cuda(8)  # torchrun: every process sees the whole node, LOCAL_RANK picks the device
+    assert device.local_device_index() == 3
+
+
+def test_gpu_process_groups_keep_host_collectives_off_nccl(pretend_cuda):
+    assert device.dist_backend() == "gloo"
+    pretend_cuda(1)
+    assert device.dist_backend() == "cpu:gloo,cuda:nccl"
+
+
+def test_the_cluster_not_the_driver_decides_gpu_workers(monkeypatch):
+    monkeypatch.delenv("HFLOW_DEVICE", raising=False)
+    assert device.cluster_has_gpus({"CPU": 128, "GPU": 8})  # even when this driver has no GPU
+    assert not device.cluster_has_gpus({"CPU": 2})
+    monkeypatch.setenv("HFLOW_DEVICE", "cpu")
+    assert not device.cluster_has_gpus({"CPU": 128, "GPU": 8})
