@@ -47,7 +47,12 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG stream of this process, in types `torch.load(weights_only=True)` reads back (tensors,
+    numbers, tuples): a checkpoint from elsewhere can then never run code when it is loaded."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)),
+             "torch": torch.get_rng_state()}
     if device.is_cuda():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -55,7 +60,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.is_cuda():
         torch.cuda.set_rng_state(state["cuda"])
@@ -159,7 +165,7 @@ class FSDPCheckpointManager:
         extra_path = found / f"extra_rank_{_rank()}.pt"
         if "extra" not in self.contents or not extra_path.exists():
             return {}
-        extra = torch.load(extra_path, weights_only=False)
+        extra = torch.load(extra_path, weights_only=True)
         if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         set_rng_state(extra["rng"])

@@ -97,3 +97,32 @@ def test_unknown_contents_are_rejected(model_dir, world_of_one):
     model, optimizer, scheduler = make_state(model_dir, world_of_one)
     with pytest.raises(ValueError, match="hf_model"):
         FSDPCheckpointManager(model, optimizer, scheduler, contents=["model", "weights"])
+
+
+def test_rng_streams_round_trip_through_a_safe_load(tmp_path):
+    """Extras are read with weights_only=True: the RNG state must survive it exactly."""
+    import random
+
+    import numpy as np
+
+    from hflow.utils.checkpoint import rng_state, set_rng_state
+
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.random(), np.random.rand(), torch.rand(3)  # move every stream on
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(model_dir, world_of_one, tmp_path):
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    manager = FSDPCheckpointManager(model, optimizer, scheduler)
+    final = manager.save_checkpoint(tmp_path / "step1", global_step=1)
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("this ran while loading a checkpoint",))
+
+    torch.save({"rng": RunsCode()}, final / "extra_rank_0.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        manager.load_checkpoint(final)

@@ -391,7 +391,7 @@ class RayPPOTrainer:
             self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"))
             if self.use_critic:
                 self.critic_wg.load_checkpoint(str(step_dir / "critic"))
-            state = torch.load(step_dir / "data" / "state.pt", weights_only=False)
+            state = torch.load(step_dir / "data" / "state.pt", weights_only=True)  # never runs code
             self.train_dataloader.load_state_dict(state["dataloader"])
             if self.kl_ctrl_in_reward is not None and state.get("kl_ctrl") is not None:
                 self.kl_ctrl_in_reward.value = state["kl_ctrl"]
