@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from hflow.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_policy_loss, kl_penalty
+    from hflow.algorithms.core_algos import compute_grpo_outcome_advantage, compute_policy_loss, kl_penalty
     from hflow.utils.reward_score.arithmetic import compute_score
     from hflow.utils.torch_functional import get_response_mask, logprobs_from_logits
     from hflow.workers.rollout.vllm_rollout import _retie_lm_head

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.trainer.ppo import core_algos
+from hflow.algorithms import core_algos
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import (
     ConfigError,

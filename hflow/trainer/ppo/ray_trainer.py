@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
-from hflow.trainer.ppo import core_algos
+from hflow.algorithms import core_algos
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,

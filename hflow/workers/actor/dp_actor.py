@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
-from hflow.trainer.ppo.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
+from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -122,7 +122,7 @@ class DataParallelPPOActor(BasePPOActor):
         # FSDP has hooked the output tensor, which an in-place op must not replace.
         logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
         log_probs = logprobs_from_logits(logits, responses)
-        entropy = entropy_from_logits(logits).float() if calculate_entropy else None
+        entropy = entropy_from_logits(logits) if calculate_entropy else None  # fp32, block-wise like the log-probs
         return log_probs, entropy
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
-from hflow.trainer.ppo.core_algos import GlobalBatchInfo, compute_value_loss
+from hflow.algorithms.core_algos import GlobalBatchInfo, compute_value_loss
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import masked_mean

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hflow.trainer.ppo import core_algos as ca
+from hflow.algorithms import core_algos as ca
 
 EPS = 1e-6
 
