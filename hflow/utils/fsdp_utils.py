@@ -3,9 +3,10 @@
 A worker builds its model in four steps, the same on an 8-GPU node and on a CPU machine:
 
     mesh  = build_device_mesh(world_size)
-    model = load_causal_lm(path, dtype=torch.float32)          # or load_value_model(...) for a critic
-    enable_gradient_checkpointing(model)                       # optional, before sharding
-    apply_fsdp2(model, mesh)                                   # each decoder layer, then the root
+    model = load_causal_lm(path, dtype=torch.float32, rank0_only=True)  # or load_value_model(...)
+    with weights_from_rank0(model):                            # only rank 0 read the weights
+        enable_gradient_checkpointing(model)                   # optional, before sharding
+        apply_fsdp2(model, mesh)                               # each decoder layer, then the root
     optimizer = build_optimizer(model.parameters(), optim_cfg)
 
 Everything that depends on the hardware (mesh device, default mixed precision, attention kernel,
@@ -19,16 +20,26 @@ import importlib.util
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    GenerationConfig,
+    PretrainedConfig,
+)
 
 from hflow.utils import device
 from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
@@ -48,11 +59,13 @@ __all__ = [
     "load_causal_lm",
     "load_fsdp_model_to_device",
     "load_optimizer",
+    "load_reward_model",
     "load_value_model",
     "offload_fsdp_model_to_cpu",
     "offload_optimizer",
     "reshard_fsdp_model",
     "to_torch_dtype",
+    "weights_from_rank0",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,11 +113,61 @@ def build_device_mesh(world_size: int) -> DeviceMesh:
     return init_device_mesh(device.device_name(), (world_size,), mesh_dim_names=("fsdp",))
 
 
-def default_attn_implementation() -> str:
-    """flash_attention_2 on GPUs where flash-attn is installed, else PyTorch SDPA."""
-    if device.is_cuda() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+_ATTN_CHOICES_LOGGED: set[str] = set()  # default_attn_implementation logs each distinct reason once
+
+
+def default_attn_implementation(cuda: bool | None = None) -> str:
+    """flash_attention_2 on a CUDA device where flash-attn really works with the installed torch, else
+    PyTorch SDPA (with one log line saying why). `cuda=None` asks the device helper (tests pass it).
+
+    "Really works" means: the `flash-attn` distribution is installed at a version transformers
+    accepts (>= 2.3.3), its compiled extension (`flash_attn_2_cuda`) imports -- a build for another
+    torch fails here with an undefined symbol -- and one tiny causal attention call runs on this
+    process's device (a build without kernels for this GPU fails here). Merely finding the package,
+    as before, let a mismatched build crash model loading instead of falling back.
+    """
+    if cuda is None:
+        cuda = device.is_cuda()
+    reason = None
+    if not cuda:
+        reason = "no CUDA device (flash-attn is CUDA-only)"
+    elif importlib.util.find_spec("flash_attn") is None:
+        reason = "flash-attn is not installed (optional: pip install --no-build-isolation -e '.[flash-attn]')"
+    else:
+        from importlib import metadata
+
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            version = metadata.version("flash-attn")
+            if Version(version) < Version("2.3.3"):
+                reason = f"flash-attn {version} is older than 2.3.3, the oldest that transformers accepts"
+        except (metadata.PackageNotFoundError, InvalidVersion) as exc:
+            reason = f"the flash_attn module has no usable flash-attn distribution metadata ({exc!r})"
+        if reason is None:
+            try:
+                importlib.import_module("flash_attn_2_cuda")  # the compiled part: fails on a torch ABI mismatch
+                from flash_attn import flash_attn_func
+
+                q = torch.randn(1, 8, 2, 64, device=device.get_device(), dtype=torch.bfloat16)
+                out = flash_attn_func(q, q, q, causal=True)
+                if tuple(out.shape) != tuple(q.shape) or not bool(torch.isfinite(out).all()):
+                    raise RuntimeError(f"a test call returned {tuple(out.shape)} / non-finite values")
+            except Exception as exc:  # ImportError, OSError, RuntimeError (no kernel image), ...
+                message = str(exc).splitlines()[0][:300] if str(exc) else ""
+                reason = (f"flash-attn is installed but does not work with torch {torch.__version__} on this device "
+                          f"({type(exc).__name__}: {message}); rebuild it against this torch")
+    if reason is None:
+        choice, reason = "flash_attention_2", "flash-attn imports and runs on this device"
+    else:
+        choice = "sdpa"
+    line = f"attention implementation: {choice} ({reason})"
+    if line not in _ATTN_CHOICES_LOGGED:
+        _ATTN_CHOICES_LOGGED.add(line)
+        # a warning when flash-attn is installed (the user wants it) but cannot be used
+        installed = cuda and importlib.util.find_spec("flash_attn") is not None
+        logger.log(logging.WARNING if installed and choice == "sdpa" else logging.INFO, line)
+    return choice
 
 
 def _load_config(
@@ -126,25 +189,55 @@ def _apply_overrides(config: PretrainedConfig, overrides: Mapping[str, Any]) -> 
             setattr(config, key, value)
 
 
+def _on_this_rank(
+    auto_class: type,
+    path: str,
+    config: PretrainedConfig,
+    dtype: str | torch.dtype | None,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    rank0_only: bool,
+) -> nn.Module:
+    """`auto_class.from_pretrained(path)`; with `rank0_only`, on ranks other than 0 the same model
+    built from `config` on the meta device instead: no weights read and no memory taken, as
+    `weights_from_rank0` then gives these ranks their shards of rank 0's weights."""
+    kwargs: dict[str, Any] = dict(
+        dtype=to_torch_dtype(dtype),
+        attn_implementation=attn_implementation or default_attn_implementation(),
+        trust_remote_code=trust_remote_code,
+    )
+    if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:
+        return auto_class.from_pretrained(path, config=config, **kwargs)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, **kwargs)
+    # what from_pretrained does besides reading the weights
+    model.eval()
+    if model.can_generate():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: keep the one derived from the model config
+            pass
+    return model
+
+
 def load_causal_lm(
     path: str,
     dtype: str | torch.dtype | None = None,
     override_config: Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    rank0_only: bool = False,
 ) -> nn.Module:
     """A Hugging Face causal LM from a local folder, on the host, in `dtype` (None: fp32).
 
     fp32 is the right dtype for a trained actor (the optimizer keeps fp32 master weights; FSDP mixed
     precision computes in bf16); a frozen reference can load in bf16. `attn_implementation=None`
-    picks `default_attn_implementation()`.
+    picks `default_attn_implementation()`. `rank0_only=True`: only rank 0 reads the weights, the
+    other ranks get an empty (meta-device) model to shard inside `weights_from_rank0`.
     """
-    return AutoModelForCausalLM.from_pretrained(
-        path,
-        config=_load_config(path, override_config, trust_remote_code),
-        dtype=to_torch_dtype(dtype),
-        attn_implementation=attn_implementation or default_attn_implementation(),
-        trust_remote_code=trust_remote_code,
+    config = _load_config(path, override_config, trust_remote_code)
+    return _on_this_rank(
+        AutoModelForCausalLM, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
     )
 
 
@@ -154,6 +247,7 @@ def load_value_model(
     override_config: Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    rank0_only: bool = False,
 ) -> nn.Module:
     """The critic: the causal LM's backbone with a new linear value head per token.
 
@@ -165,17 +259,17 @@ def load_value_model(
 
     Dropout on the head is switched off (HF defaults it to 0.1 when the config names none): it would
     make the values of the update differ from those of `compute_values`. The head is initialised
-    from a fixed seed (HF's normal(0, initializer_range), zero bias), so every rank and every run
-    starts from the same critic without a broadcast.
+    from a fixed seed (HF's normal(0, initializer_range), zero bias), so every run starts from the
+    same critic, and every rank too when each loads its own copy. `rank0_only` as in `load_causal_lm`
+    (the other ranks then receive rank 0's head).
     """
-    model = AutoModelForTokenClassification.from_pretrained(
-        path,
-        config=_load_config(path, override_config, trust_remote_code, num_labels=1, classifier_dropout=0.0),
-        dtype=to_torch_dtype(dtype),
-        attn_implementation=attn_implementation or default_attn_implementation(),
-        trust_remote_code=trust_remote_code,
+    config = _load_config(path, override_config, trust_remote_code, num_labels=1, classifier_dropout=0.0)
+    model = _on_this_rank(
+        AutoModelForTokenClassification, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
     )
     head: nn.Linear = model.score
+    if head.weight.is_meta:  # built empty on a rank other than 0
+        return model
     generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
     std = float(getattr(model.config, "initializer_range", 0.02))
     with torch.no_grad():
@@ -183,6 +277,56 @@ def load_value_model(
         if head.bias is not None:
             head.bias.zero_()
     return model
+
+
+def load_reward_model(
+    path: str,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    rank0_only: bool = False,
+) -> nn.Module:
+    """A sequence-classification reward model (one score per position, `num_labels=1`) from a
+    local folder, in `dtype`; `rank0_only` as in `load_causal_lm`."""
+    config = _load_config(path, None, trust_remote_code, num_labels=1)
+    return _on_this_rank(
+        AutoModelForSequenceClassification, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
+    )
+
+
+@contextmanager
+def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[None]:
+    """Shard `model` in place inside this block (`apply_fsdp2`); on leaving it, every rank holds its
+    shards of rank 0's weights and rank 0's buffers.
+
+        model = load_causal_lm(path, rank0_only=True)   # rank 0 reads, the others are empty
+        with weights_from_rank0(model):
+            apply_fsdp2(model, mesh)
+
+    Only rank 0 ever holds the whole model; it sends it one tensor at a time, and every other rank
+    keeps its slice of each, so a rank other than 0 needs its shards plus one full tensor, not the
+    whole model (a 7B model in fp32 on an 8-GPU node: ~30 GB of host memory on rank 0 instead of
+    ~30 GB on each of the 8 ranks). Models loaded on every rank work too (they are overwritten with
+    rank 0's weights). With one rank there is nothing to do. `host_shards`: the shards live in host
+    memory (FSDP2's CPUOffloadPolicy), so the empty ones are made there.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    is_rank0 = dist.get_rank() == 0
+    # References, not copies: sharding replaces the module's parameters, these keep the full tensors.
+    full_state = model.state_dict() if is_rank0 else {}
+    yield
+    if not is_rank0:
+        # meta shards -> uninitialised shards on this rank's device (FSDP2 re-registers them)
+        model.to_empty(device="cpu" if host_shards else device.get_device())
+    set_model_state_dict(
+        model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    del full_state
+    # Buffers are not sharded, and the non-persistent ones (rotary `inv_freq`) are not in a state dict.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -244,9 +388,14 @@ def apply_fsdp2(
     mixed_precision: MixedPrecisionPolicy | Mapping[str, Any] | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    fp32_modules: Iterable[nn.Module] = (),
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
     takes what is left (embeddings, final norm, LM / value head). Returns the same object.
+
+    Each of `fp32_modules` (a critic's value head) becomes a unit of its own that computes in fp32
+    whatever the mixed precision: its bf16 input is cast up and its output is not rounded to bf16,
+    which would leave a value about 3 significant digits.
 
     The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
     backward needs them first); after an inference-only pass call `reshard_fsdp_model`.
@@ -258,6 +407,9 @@ def apply_fsdp2(
     kwargs["offload_policy"] = CPUOffloadPolicy() if cpu_offload and device.is_cuda() else OffloadPolicy()
     for layer in _decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in fp32_modules:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **{**kwargs, "mp_policy": fp32})
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
@@ -320,8 +472,10 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     same order (each gather is a collective).
     """
     reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
+    compute_device = device.get_device()
     for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        # Shards kept on the host (CPUOffloadPolicy) are gathered on the device, not by a host collective.
+        full = param.to(compute_device).full_tensor() if isinstance(param, DTensor) else param
         yield clean_param_name(name), full.detach()
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):

@@ -94,13 +94,6 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 # --------------------------------------------------------------------------------------------------
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution softmax(logits) along the last dim:
-    H = logsumexp(z) - sum_v softmax(z)_v * z_v."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
 # Rows are processed in blocks of about this many logits (16 MiB of fp32), which bounds the
 # temporaries to one block instead of the whole (N, V) tensor. On CPU, blocks of 32 MiB and more
 # measured up to 3x slower: glibc maps buffers that large afresh (and page-faults them) every time.
@@ -174,6 +167,53 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     return _LogProbsFromLogits.apply(logits, labels)
+
+
+class _EntropyFromLogits(torch.autograd.Function):
+    """H = -sum_v p_v log p_v with p = softmax(z), and dH/dz = p * (E_p[z] - z) * g.
+
+    Autograd of the plain formula keeps softmax(z) and log_softmax(z) for backward and builds more
+    (N, V) tensors in forward; here each block of rows is reduced at once, and only the logits (which
+    exist anyway) and two floats per row (logsumexp and E_p[z]) are kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty((*logits.shape[:-1], 1), dtype=compute_dtype, device=logits.device)
+        lse, mean_z = torch.empty_like(out), torch.empty_like(out)
+        for z, h, s, m in _row_blocks(logits, out, lse, mean_z):
+            z = z.to(compute_dtype)
+            s.copy_(torch.logsumexp(z, dim=-1, keepdim=True))
+            log_p = z - s
+            h.copy_(-log_p.exp().mul_(log_p).sum(dim=-1, keepdim=True))  # -sum p log p: no lse - E[z] cancellation
+            m.copy_(s - h)  # E_p[z] = logsumexp(z) - H
+        ctx.save_for_backward(logits, lse, mean_z)
+        return out.squeeze(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits, lse, mean_z = ctx.saved_tensors
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_out = grad_out.contiguous().unsqueeze(-1)
+        for z, s, m, g, gz in _row_blocks(logits, lse, mean_z, grad_out, grad_logits):
+            # s, m are fp32 (or fp64): the subtractions promote half-precision logits
+            block = torch.sub(z, s).exp_()  # softmax(z)
+            block.mul_(torch.sub(m, z)).mul_(g)  # * (E_p[z] - z) * g
+            gz.copy_(block)
+        return grad_logits
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(`logits`) along the last dim: shape `logits.shape[:-1]`, dtype at least fp32.
+
+    Computed block of rows by block of rows (in fp32 for half-precision logits), like
+    `logprobs_from_logits`: temporaries are bounded by one block instead of several (N, V) tensors
+    (at 32 x 1024 positions and a 152k vocabulary each of those is ~10 GB in bf16), and backward keeps
+    only the logits and two floats per row.
+    """
+    return _EntropyFromLogits.apply(logits)
 
 
 # --------------------------------------------------------------------------------------------------

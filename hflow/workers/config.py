@@ -75,6 +75,19 @@ def check_positive(value: Any, key: str) -> None:
         raise ConfigError(f"{key} must be a positive integer, got {value}")
 
 
+def check_offload(fsdp_config: Any, prefix: str) -> None:
+    """`offload_policy` (FSDP2's CPUOffloadPolicy: shards, gradients and optimizer step stay on the host)
+    excludes the per-phase switches, which move the same state to the device and back around each call."""
+    if not fsdp_config.get("offload_policy", False):
+        return
+    clashing = [f"{prefix}.{key}" for key in ("param_offload", "optimizer_offload") if fsdp_config.get(key, False)]
+    if clashing:
+        raise ConfigError(
+            f"{prefix}.offload_policy=true cannot be combined with {' and '.join(clashing)}=true: the policy "
+            "already keeps that state on the host; set one of them to false"
+        )
+
+
 def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) -> DictConfig:
     """Check the `actor_rollout_ref` subtree for `role` and turn global batch sizes into per-rank ones."""
     cfg = resolved_copy(config)
@@ -104,6 +117,10 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
                            f"{prefix}.rollout.log_prob_micro_batch_size_per_gpu")
     if role in ("ref", "actor_rollout_ref") and not cfg.ref.log_prob_use_dynamic_bsz:
         check_positive(cfg.ref.log_prob_micro_batch_size_per_gpu, f"{prefix}.ref.log_prob_micro_batch_size_per_gpu")
+    if role != "ref":  # every other role builds the actor's model
+        check_offload(cfg.actor.fsdp_config, f"{prefix}.actor.fsdp_config")
+    if role in ("ref", "actor_rollout_ref"):
+        check_offload(cfg.ref.fsdp_config, f"{prefix}.ref.fsdp_config")
     return cfg
 
 
@@ -117,6 +134,7 @@ def normalize_critic(config: DictConfig, world_size: int) -> DictConfig:
     if not cfg.use_dynamic_bsz:
         check_positive(cfg.forward_micro_batch_size_per_gpu, "critic.forward_micro_batch_size_per_gpu")
     check_positive(cfg.ppo_epochs, "critic.ppo_epochs")
+    check_offload(cfg.model.fsdp_config, "critic.model.fsdp_config")
     return cfg
 
 

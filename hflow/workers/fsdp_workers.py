@@ -14,6 +14,7 @@ methods use `ONE_TO_ALL`.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -45,17 +46,22 @@ class _FSDPModelHolder:
     """What the actor and the critic share: a model in FSDP2, its optimizer, scheduler and checkpoints."""
 
     def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
-                         gradient_checkpointing: bool, train: bool):
+                         gradient_checkpointing: bool, train: bool, fp32_modules=()):
         from hflow.utils import fsdp_utils
 
-        if gradient_checkpointing:
-            fsdp_utils.enable_gradient_checkpointing(module)
-        module = fsdp_utils.apply_fsdp2(
-            module,
-            self.device_mesh,
-            mixed_precision=fsdp_config.get("mixed_precision"),
-            reshard_after_forward=fsdp_config.get("reshard_after_forward", True),
-        )
+        # `module` was read from disk on rank 0 only (`rank0_only=True`): the shards get its weights
+        cpu_offload = fsdp_config.get("offload_policy", False)
+        with fsdp_utils.weights_from_rank0(module, host_shards=cpu_offload and device.is_cuda()):
+            if gradient_checkpointing:
+                fsdp_utils.enable_gradient_checkpointing(module)
+            module = fsdp_utils.apply_fsdp2(
+                module,
+                self.device_mesh,
+                mixed_precision=fsdp_config.get("mixed_precision"),
+                reshard_after_forward=fsdp_config.get("reshard_after_forward", True),
+                cpu_offload=cpu_offload,
+                fp32_modules=fp32_modules,
+            )
         if not train:
             module.requires_grad_(False)
             return module, None, None
@@ -112,6 +118,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         actor_fsdp = self.config.actor.fsdp_config
         self._offload_param = self._is_actor and actor_fsdp.get("param_offload", False)
         self._offload_optim = self._is_actor and actor_fsdp.get("optimizer_offload", False)
+        self._offload_ref_param = self._is_ref and self.config.ref.fsdp_config.get("param_offload", False)
 
         if self._is_actor or self._is_rollout:
             module = fsdp_utils.load_causal_lm(
@@ -120,6 +127,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                 override_config=model_cfg.get("override_config"),
                 trust_remote_code=model_cfg.get("trust_remote_code", False),
                 attn_implementation=model_cfg.get("attn_implementation"),
+                rank0_only=True,
             )
             self.hf_config = module.config
             self.generation_config = module.generation_config
@@ -150,12 +158,14 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                 override_config=model_cfg.get("override_config"),
                 trust_remote_code=model_cfg.get("trust_remote_code", False),
                 attn_implementation=model_cfg.get("attn_implementation"),
+                rank0_only=True,
             )
             self.ref_module, _, _ = self._build_trainable(
                 ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
         self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),
                       self._offload_param, self._offload_optim)
+        self._offload(getattr(self, "ref_module", None), None, self._offload_ref_param, False)
 
     def _build_rollout(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -173,6 +183,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             self.rollout = HFRollout(self.actor_module, rollout_cfg)
             self.sharding_manager = BaseShardingManager()
             return
+        if not device.is_cuda():
+            # vLLM's sampler torch.compiles a helper with g++ at import (seconds, on every worker); on
+            # CPU eager is as fast. Decided here because only the worker knows its device.
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         from hflow.workers.rollout import vLLMRollout
         from hflow.workers.sharding_manager import FSDPVLLMShardingManager
 
@@ -230,8 +244,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Log-probs of the responses under the frozen reference policy: `ref_log_prob`."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        self._onload(self.ref_module, None, self._offload_ref_param, False)
         self._log_prob_meta(data, self.config.ref)
         log_probs, _ = self.ref_policy.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
+        self._offload(self.ref_module, None, self._offload_ref_param, False)
         return DataProto.from_dict({"ref_log_prob": log_probs.cpu()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -242,7 +258,16 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         data.meta_info["temperature"] = self.config.rollout.temperature
         started = time.perf_counter()
         metrics = self.actor.update_policy(data.to(device.get_device()))
-        metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
+        device.synchronize()  # the last optimizer step is still running on the GPU
+        elapsed = time.perf_counter() - started
+        metrics["timing_s/update_actor_worker"] = elapsed
+        from hflow.utils.flops_counter import actor_update_mfu
+        from hflow.workers.actor.dp_actor import response_mask_of
+
+        mfu = actor_update_mfu(self.hf_config, data.batch["attention_mask"], response_mask_of(data.batch), elapsed,
+                               ppo_epochs=int(self.config.actor.ppo_epochs))
+        if mfu is not None:  # only where the device's peak FLOP/s is known (never on CPU)
+            metrics["perf/mfu/actor"] = mfu
         metrics["actor/lr"] = self.actor_lr_scheduler.get_last_lr()[0]
         self.actor_lr_scheduler.step()
         metrics.update(_memory_metrics())
@@ -269,7 +294,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
     def save_hf_model(self, local_path: str) -> None:
         """Export the actor as a plain Hugging Face folder (transformers and vLLM load it as is)."""
         self._require(self._is_actor or self._is_rollout, "save_hf_model", "actor")
+        # Offloaded shards come back first: gathering them is a device collective.
+        self._onload(self.actor_module, None, self._offload_param, False)
         save_hf_model(self.actor_module, local_path, tokenizer=self.tokenizer)
+        self._offload(self.actor_module, None, self._offload_param, False)
 
     def _require(self, present: bool, method: str, role: str) -> None:
         if not present:
@@ -302,10 +330,12 @@ class CriticWorker(Worker, _FSDPModelHolder):
             dtype=fsdp_cfg.get("model_dtype"),
             override_config=model_cfg.get("override_config"),
             trust_remote_code=model_cfg.get("trust_remote_code", False),
+            rank0_only=True,
         )
         self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
             module, fsdp_cfg, self.config.optim,
-            gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False), train=True)
+            gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False), train=True,
+            fp32_modules=[module.score])  # values (and the GAE built on them) in fp32, not bf16
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer,
@@ -361,8 +391,6 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from transformers import AutoModelForSequenceClassification
-
         from hflow.utils import fsdp_utils
 
         self.config = normalize_reward_model(self.raw_config)
@@ -380,12 +408,13 @@ class RewardModelWorker(Worker):
             self.input_tokenizer.get_vocab() != self.tokenizer.get_vocab()
             or self.input_tokenizer.chat_template != self.tokenizer.chat_template
         )
-        module = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, dtype=device.compute_dtype(), trust_remote_code=trust)
+        module = fsdp_utils.load_reward_model(
+            model_cfg.path, dtype=device.compute_dtype(), trust_remote_code=trust, rank0_only=True)
         module.config.pad_token_id = self.tokenizer.pad_token_id
-        self.module = fsdp_utils.apply_fsdp2(
-            module, self.device_mesh, mixed_precision=None,
-            reshard_after_forward=model_cfg.fsdp_config.get("reshard_after_forward", True))
+        with fsdp_utils.weights_from_rank0(module):
+            self.module = fsdp_utils.apply_fsdp2(
+                module, self.device_mesh, mixed_precision=None,
+                reshard_after_forward=model_cfg.fsdp_config.get("reshard_after_forward", True))
         self.module.requires_grad_(False)
         self.module.eval()
         # The head scores every position inside the model's forward; keep that per-token output (the
@@ -431,6 +460,8 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
+        from hflow.utils import fsdp_utils
+
         responses = data.batch["responses"]
         inputs = self._reencode(data) if self._retokenize else {
             "input_ids": data.batch["input_ids"], "attention_mask": data.batch["attention_mask"]}
@@ -440,6 +471,7 @@ class RewardModelWorker(Worker):
         for start in range(0, len(data), micro):
             scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
                                        inputs["attention_mask"][start:start + micro].to(dev)).cpu())
+        fsdp_utils.reshard_fsdp_model(self.module)  # no backward follows to free the gathered root
         scores = torch.cat(scores) if scores else torch.zeros(0)
         response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)

@@ -8,18 +8,24 @@ run exports its parameters with `iter_full_params` and compares them with a one-
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from hflow.utils import device
 from hflow.utils.fsdp_utils import (
     apply_fsdp2,
+    build_device_mesh,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
@@ -30,10 +36,12 @@ from hflow.utils.fsdp_utils import (
     load_causal_lm,
     load_fsdp_model_to_device,
     load_optimizer,
+    load_reward_model,
     load_value_model,
     offload_fsdp_model_to_cpu,
     offload_optimizer,
     reshard_fsdp_model,
+    weights_from_rank0,
 )
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
@@ -238,3 +246,146 @@ def test_lr_schedules_warmup_and_decay():
     assert cosine[-1] > 0.1 and cosine[-1] < 0.2
     with pytest.raises(ValueError, match="warmup_style"):
         lr_trace({"warmup_style": "linear"}, 3)
+
+
+# ------------------------------------------------------------------ rank 0 loads, the other ranks receive
+
+
+def test_rank0_loading_with_one_rank_loads_and_shards_as_before(model_dir: Path, mesh):
+    expected = load_causal_lm(str(model_dir)).state_dict()
+    model = load_causal_lm(str(model_dir), rank0_only=True)
+    with weights_from_rank0(model):  # a world of one: nothing to broadcast
+        apply_fsdp2(model, mesh)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor.full_tensor().cpu(), expected[name], atol=0, rtol=0, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_world(rank: int, world_size: int, port: int):
+    os.environ["HFLOW_DEVICE"] = "cpu"
+    torch.set_num_threads(1)
+    # a collective that one rank skips fails the test within a minute instead of hanging it
+    dist.init_process_group(device.dist_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    return build_device_mesh(world_size)
+
+
+def _compare_rank0_loading_main(rank: int, world_size: int, port: int, paths: dict[str, str]) -> None:
+    mesh = _init_world(rank, world_size, port)
+    loaders = {"untied": load_causal_lm, "tied": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
+    try:
+        for case, path in paths.items():
+            load = loaders[case]
+
+            def shard(m):  # as the workers do; the critic's 1-row head is a unit of its own (empty on rank 1)
+                return apply_fsdp2(m, mesh, fp32_modules=[m.score] if case == "value" else ())
+
+            everywhere = shard(load(path))  # the old way: every rank reads the whole model
+            model = load(path, rank0_only=True)
+            assert all(p.is_meta for p in model.parameters()) == (rank != 0), case  # rank 1 read nothing
+            with weights_from_rank0(model):
+                shard(model)
+
+            expected = everywhere.state_dict()
+            for name, tensor in model.state_dict().items():
+                assert isinstance(tensor, DTensor) and not tensor.to_local().is_meta, (case, name)
+                assert torch.equal(tensor.full_tensor(), expected[name].full_tensor()), (case, name)
+            # buffers are per rank; the rotary `inv_freq` ones are not in a state dict
+            buffers, expected_buffers = dict(model.named_buffers()), dict(everywhere.named_buffers())
+            assert any(name.endswith("inv_freq") for name in buffers)
+            assert buffers.keys() == expected_buffers.keys()
+            for name, buffer in buffers.items():
+                assert torch.equal(buffer, expected_buffers[name]), (case, name)
+            if case == "tied":
+                assert model.lm_head.weight is model.model.embed_tokens.weight
+            if hasattr(model, "generation_config"):
+                assert model.generation_config.to_dict() == everywhere.generation_config.to_dict()
+            assert model.training == everywhere.training
+            x = inputs()
+            logits, expected_logits = model(**x).logits, everywhere(**x).logits
+            assert torch.equal(logits.log_softmax(-1), expected_logits.log_softmax(-1)), case
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank0_loading_gives_every_rank_the_model_each_rank_would_have_loaded(tmp_path: Path):
+    """Two ranks: rank 0 reads the folder, rank 1 builds the model empty and receives its shards. The
+    result equals the old way (every rank reads the whole model): weights, non-persistent buffers,
+    ties, the critic's seeded value head, a reward model's saved head, and the forward pass."""
+    untied = save_model(tmp_path / "untied")
+    tied = save_model(tmp_path / "tied", arch="llama", tie_word_embeddings=True)
+    torch.manual_seed(1)
+    reward_config = Qwen2Config(vocab_size=100, max_position_embeddings=64, num_labels=1, pad_token_id=0, **SHAPE)
+    Qwen2ForSequenceClassification(reward_config).save_pretrained(tmp_path / "reward")
+    paths = {"untied": untied, "tied": tied, "value": untied, "reward": tmp_path / "reward"}
+    torch.multiprocessing.spawn(
+        _compare_rank0_loading_main, args=(2, free_port(), {k: str(v) for k, v in paths.items()}), nprocs=2
+    )
+
+
+def _status_kib(field: str) -> int:
+    """A `kB` line of /proc/self/status: VmRSS (resident now) or VmHWM (peak resident)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def _rss_main(rank: int, world_size: int, port: int, path: str, out_dir: str) -> None:
+    mesh = _init_world(rank, world_size, port)
+    try:
+        # Linux: writing 5 resets VmHWM to the current RSS, so the peak below is that of the loading
+        # alone. Without it, VmHWM is the process's lifetime peak: an upper bound, still fine to assert on.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            reset = True
+        except OSError:
+            reset = False
+        dist.barrier()
+        before = _status_kib("VmRSS")
+        model = load_causal_lm(path, rank0_only=True)
+        with weights_from_rank0(model):
+            apply_fsdp2(model, mesh)
+        growth = (_status_kib("VmHWM") - before) * 1024
+        shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"growth": growth, "shard": shard, "reset": reset}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank1_host_memory_during_model_setup_is_its_shard_plus_one_tensor(tmp_path: Path, monkeypatch):
+    """With rank-0 loading, rank 1's peak host memory while it sets up a 2-rank FSDP2 model grows by its
+    own fp32 shard (half the model) plus one full tensor in flight, instead of the whole model.
+
+    Half the model is the floor on CPU, where the shards live in host memory (on GPU they do not)."""
+    from safetensors import safe_open
+
+    from hflow.utils.tiny_models import build_causal_lm
+
+    # ~36M parameters, ~139 MiB in fp32, in 3 layers: the largest tensor (an MLP matrix, 11 MiB) is
+    # small beside half the model.
+    path = build_causal_lm(tmp_path / "model", preset="small", hidden_size=1024, num_layers=3, num_heads=16,
+                           num_kv_heads=8, intermediate_size=2816)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        numels = [math.prod(f.get_slice(key).get_shape()) for key in f.keys()]
+    model_bytes, largest_bytes = 4 * sum(numels), 4 * max(numels)
+
+    # glibc raises its mmap threshold to the largest block freed so far and then keeps up to twice that
+    # on its heap after frees (here rank 1's peak then varies between +102 and +119 MiB). A fixed
+    # threshold makes the peak measure the tensors the code keeps alive, not what the allocator caches.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    torch.multiprocessing.spawn(_rss_main, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    mib = 2**20
+    report = (f"model {model_bytes / mib:.1f} MiB (largest tensor {largest_bytes / mib:.1f} MiB); peak RSS growth: "
+              f"rank 0 {ranks[0]['growth'] / mib:.1f} MiB, rank 1 {ranks[1]['growth'] / mib:.1f} MiB "
+              f"(its shard {ranks[1]['shard'] / mib:.1f} MiB; VmHWM reset: {ranks[1]['reset']})")
+    print(report)
+    slack = 16 * mib  # the modeling code's import, the empty model's Python objects, gloo buffers
+    assert ranks[1]["shard"] <= model_bytes / 2 + largest_bytes, report
+    assert ranks[1]["growth"] < ranks[1]["shard"] + largest_bytes + slack, report
+    assert ranks[1]["growth"] < 0.7 * model_bytes, report  # every rank loading the model needed more than all of it

@@ -146,6 +146,78 @@ def test_logprobs_from_logits_shape_mismatch():
         tf.logprobs_from_logits(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
 
 
+def _naive_entropy(logits: torch.Tensor) -> torch.Tensor:
+    return -(torch.softmax(logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_entropy_from_logits_matches_naive_value_and_grad(small_blocks, dtype):
+    gen = torch.Generator().manual_seed(5)
+    base = (4 * torch.randn(3, 9, 11, generator=gen, dtype=dtype)).requires_grad_()
+    weights = torch.randn(3, 6, generator=gen, dtype=dtype)
+    results = []
+    for fn in (tf.entropy_from_logits, _naive_entropy):
+        out = fn(base[:, 2:8])  # non-contiguous slice, as the actor's logits can be
+        (grad,) = torch.autograd.grad((out * weights).sum(), base)
+        results.append((out, grad))
+    (out, grad), (ref_out, ref_grad) = results
+    assert out.dtype == dtype and out.shape == (3, 6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad, ref_grad, rtol=tol, atol=tol)
+
+
+def test_entropy_from_logits_gradcheck(small_blocks):
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(6), dtype=torch.float64,
+                         requires_grad=True)
+    assert torch.autograd.gradcheck(tf.entropy_from_logits, (logits,))
+
+
+def test_entropy_from_logits_half_precision_computes_in_fp32():
+    logits = (5 * torch.randn(4, 50, generator=torch.Generator().manual_seed(7))).bfloat16().requires_grad_()
+    out = tf.entropy_from_logits(logits)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _naive_entropy(logits.float()), rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+class _NewTensorSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every tensor an op creates (outputs that are neither an input nor a view of one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.sizes += [t.untyped_storage().nbytes() for t in leaves(out)
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+def test_entropy_from_logits_temporaries_are_bounded_by_one_block(monkeypatch):
+    rows, vocab, block_rows = 64, 4096, 4
+    monkeypatch.setattr(tf, "_CHUNK_ELEMENTS", block_rows * vocab)
+    logits = torch.randn(4, rows // 4, vocab, generator=torch.Generator().manual_seed(8)).requires_grad_()
+    full, block = rows * vocab * 4, block_rows * vocab * 4  # bytes in fp32
+
+    def sizes(fn):
+        with _NewTensorSizes() as forward:
+            out = fn(logits)
+        with _NewTensorSizes() as backward:
+            out.sum().backward()
+        return sorted(forward.sizes), sorted(backward.sizes)
+
+    naive_forward, _ = sizes(_naive_entropy)
+    assert naive_forward[-1] == full  # the plain formula builds whole (N, V) tensors
+    forward, backward = sizes(tf.entropy_from_logits)
+    assert forward[-1] <= block
+    assert backward[-1] == full and backward[-2] <= block  # the gradient itself, then one block at most
+
+
 # ------------------------------------------------------------------ masks, positions, padding
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from hflow.protocol import DataProto
@@ -93,3 +94,11 @@ def test_retokenizes_with_the_reward_models_own_chat_template(folders, world_of_
     with torch.no_grad():
         expected = model(input_ids=ids).logits[0, 0]
     torch.testing.assert_close(rm_scores[0].sum(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_root_is_resharded_after_scoring(folders, world_of_one):
+    """No backward follows the forward, so the worker frees the gathered root itself: afterwards every
+    parameter is a shard again (a full copy would otherwise sit on the device until the next call)."""
+    worker = make_worker(folders["rm"])
+    worker.compute_rm_score(make_batch(folders["policy_tok"]))
+    assert all(isinstance(p, DTensor) for p in worker.module.parameters())

@@ -257,6 +257,38 @@ def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
             vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
 
 
+@pytest.fixture()
+def pretend_cuda(monkeypatch):
+    """The device helper answers 'cuda' (its detection asks torch), for code that only reads the answer."""
+    from hflow.utils import device
+
+    monkeypatch.delenv("HFLOW_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device._detect.cache_clear()
+    assert device.is_cuda()
+    yield
+    monkeypatch.undo()
+    device._detect.cache_clear()
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_engine_kwargs_resolve_enforce_eager_per_device_and_pass_max_num_seqs(request, tiny_model_dir, on_gpu):
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+    if on_gpu:
+        request.getfixturevalue("pretend_cuda")
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    kwargs = vLLMRollout._engine_kwargs(
+        str(tiny_model_dir), rollout_config(enforce_eager=None, max_num_seqs=7), hf_config, None)
+    assert kwargs["enforce_eager"] is (not on_gpu)  # CUDA graphs on GPU, eager on CPU
+    assert kwargs["max_num_seqs"] == 7
+    assert kwargs.get("enable_sleep_mode", False) is on_gpu
+    # An explicit setting wins on either device.
+    for explicit in (True, False):
+        config = rollout_config(enforce_eager=explicit)
+        assert vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)["enforce_eager"] is explicit
+
+
 def test_engine_build_leaves_host_rng_alone(engine_build):
     _, before, after = engine_build
     assert torch.equal(before[0], after[0])
@@ -410,6 +442,31 @@ def test_sharding_manager_syncs_fsdp2_weights(rollout, hf_model, tiny_tokenizer)
     with manager:
         second = rollout.generate_sequences(prompts)
     assert not torch.equal(first.batch["responses"], second.batch["responses"])
+
+
+def test_sharding_manager_wakes_in_two_stages_and_sleeps_at_level_2(rollout, hf_model, tiny_tokenizer, monkeypatch):
+    """Weights wake before the sync, the KV cache after it; on exit the engine sleeps at level 2, which
+    discards its weights (the next sync overwrites them all) instead of copying them to host memory.
+    On CPU the calls are no-ops inside the rollout, so only their order and arguments are checked."""
+    from hflow.workers.sharding_manager import FSDPVLLMShardingManager
+
+    calls = []
+
+    def spy(name):
+        method = getattr(rollout, name)
+
+        def record(*args, **kwargs):
+            calls.append((name, kwargs.get("tags", kwargs.get("level"))))
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(rollout, name, record)
+
+    for name in ("wake_up", "update_weights", "sleep"):
+        spy(name)
+    manager = FSDPVLLMShardingManager(hf_model, rollout)
+    with manager:
+        rollout.generate_sequences(make_prompts(tiny_tokenizer, QUESTIONS[:1]))
+    assert calls == [("wake_up", ["weights"]), ("update_weights", None), ("wake_up", ["kv_cache"]), ("sleep", 2)]
 
 
 # ---- HF rollout ---------------------------------------------------------------------------------

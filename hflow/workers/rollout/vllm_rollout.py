@@ -94,8 +94,9 @@ class vLLMRollout(BaseRollout):
                 "truncated, renormalised distribution and will not match the trainer's log_softmax(logits / T)"
             )
         if self.sleep_enabled:
-            # Hand the memory back until the first weight sync (the sharding manager wakes it).
-            self.llm.sleep(level=1)
+            # Hand the memory back until the first weight sync (the sharding manager wakes it); the
+            # dummy weights are not worth keeping (see `sleep`).
+            self.sleep()
 
     @staticmethod
     def _engine_kwargs(
@@ -148,9 +149,10 @@ class vLLMRollout(BaseRollout):
             "tensor_parallel_size": tp,
             "distributed_executor_backend": backend,
             "dtype": str(config.get("dtype", "bfloat16")),
-            "enforce_eager": bool(config.get("enforce_eager", True)),
+            "enforce_eager": _enforce_eager(config.get("enforce_eager")),
             "max_model_len": max_model_len,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": int(config.get("max_num_seqs", 256)),
             "enable_chunked_prefill": enable_chunked_prefill,
             "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
             "load_format": "dummy" if load_format.startswith("dummy") else load_format,
@@ -230,8 +232,14 @@ class vLLMRollout(BaseRollout):
             self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
-        """Release the engine's weights (level 1: to host memory) and KV cache; a no-op on CPU."""
+    def sleep(self, level: int = 2) -> None:
+        """Release the engine's weights and KV cache; a no-op on CPU.
+
+        Level 2 (the default) discards the weights instead of copying them to pinned host memory (level
+        1): every wake-up is followed by a full weight sync that overwrites them anyway. vLLM saves the
+        model's buffers (e.g. rotary caches) before a level-2 sleep and restores them on
+        `wake_up(tags=["weights"])`, before the sync.
+        """
         if self.sleep_enabled:
             self.llm.sleep(level=level)
 
@@ -239,6 +247,14 @@ class vLLMRollout(BaseRollout):
         """Re-allocate `tags` ("weights", "kv_cache"; None = all) after `sleep`; a no-op on CPU."""
         if self.sleep_enabled:
             self.llm.wake_up(tags=tags)
+
+
+def _enforce_eager(value: Any) -> bool:
+    """`rollout.enforce_eager`; null = eager on CPU (compiling costs ~20 s of start-up there for no
+    speed-up), CUDA graphs and torch.compile on GPU. Graphs survive sleep mode: vLLM's allocator
+    re-maps weights and KV cache at the same virtual addresses on wake-up, and `reload_weights`
+    copies into the existing parameter storage."""
+    return not is_cuda() if value is None else bool(value)
 
 
 def _ties_embeddings(hf_config: Any) -> bool:

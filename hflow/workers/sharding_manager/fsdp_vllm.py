@@ -10,7 +10,8 @@ Weights travel one parameter at a time: each FSDP shard is all-gathered into a f
 to `vLLMRollout.update_weights` (vLLM's `reload_weights`, then a prefix-cache reset) and dropped, so
 at most one full parameter exists beside the shards. On CUDA the engine wakes in two stages, weights
 before the sync and KV cache after the gathered tensors are freed, so the cache can take the memory
-they used; on CPU there is no sleep mode and those steps do nothing.
+they used; on exit it sleeps at level 2 (weights discarded, not copied to host memory). On CPU there
+is no sleep mode and those steps do nothing.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class FSDPVLLMShardingManager(BaseShardingManager):
         self._generation_rng = _get_rng_state()
         _set_rng_state(self._training_rng)
         self._training_rng = None
-        self.rollout.sleep(level=1)
+        # Level 2: drop the engine's weights rather than copy them to host memory; the next __enter__
+        # syncs every parameter again.
+        self.rollout.sleep(level=2)
         empty_cache()
 
     def state_dict(self) -> dict:
