@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# What only a GPU can show, in one command, on a machine with an NVIDIA GPU (e.g. a lent single-GPU
+# machine that has torch, triton and transformers but neither Ray nor vLLM, and no internet):
+#   1. exits at once, non-zero, when no CUDA device is found;
+#   2. installs hflow (`pip install --no-deps -e .`) and the few small packages this Python lacks from
+#      .gpu_wheels/ (filled beforehand, where there is internet, by scripts/gpu_wheels.sh), offline,
+#      into the environment of that Python, whose own torch it uses;
+#   3. runs the tests marked `gpu` (pytest -m gpu);
+#   4. runs bench/gpu_check.py, which writes bench/results/gpu_check.md (device, versions, learning on
+#      the built-in task, log-prob parity, MFU, log-prob/entropy memory) and fails if a part fails.
+# Usage: scripts/gpu_check.sh [bench/gpu_check.py options, e.g. --parts a,c]
+#        PYTHON=/path/to/python3 (default python3: the interpreter with the machine's CUDA torch)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python=${PYTHON:-python3}
+wheels=.gpu_wheels
+
+fail() { echo "gpu_check: $*" >&2; exit 1; }
+
+# 1. A CUDA device that this Python's torch can use: checked before anything is installed.
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q "GPU"; then
+  fail "no CUDA device found (nvidia-smi lists no NVIDIA GPU); run this on a machine with one"
+fi
+if ! info=$("$python" -c 'import torch; assert torch.cuda.is_available(); print("torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.get_device_name(0))' 2>/dev/null); then
+  torch_info=$("$python" -c 'import torch; print("torch", torch.__version__, "built for CUDA", torch.version.cuda)' 2>&1 | tail -n 1)
+  fail "no CUDA device found by $python ($torch_info; driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)): a CPU-only torch, or a driver older than torch's CUDA build"
+fi
+echo "gpu_check: $info" >&2
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+
+# 2. What this Python lacks, from the local wheel folder (module:distribution).
+needed=(hydra:hydra-core omegaconf:omegaconf antlr4:antlr4-python3-runtime tensordict:tensordict pyvers:pyvers
+        cloudpickle:cloudpickle yaml:PyYAML pandas:pandas pyarrow:pyarrow matplotlib:matplotlib
+        safetensors:safetensors tokenizers:tokenizers tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout
+        pluggy:pluggy iniconfig:iniconfig)
+missing=()
+for pair in "${needed[@]}"; do
+  "$python" -c "import ${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+done
+pip() { "$python" -m pip --disable-pip-version-check -q "$@"; }
+if [[ ${#missing[@]} -gt 0 ]]; then
+  echo "gpu_check: installing from $wheels/: ${missing[*]}" >&2
+  [[ -d $wheels ]] || fail "$wheels/ is missing: run scripts/gpu_wheels.sh on a machine with internet and bring the folder along"
+  pip install --no-index --find-links "$wheels" --no-deps "${missing[@]}" \
+    || fail "could not install ${missing[*]} from $wheels/ (scripts/gpu_wheels.sh fills it; compiled ones such as pandas or pyarrow only with GPU_WHEELS_EXTRA='pandas pyarrow' scripts/gpu_wheels.sh <this Python's version>)"
+fi
+if ! "$python" -c 'import hflow, sys; sys.exit(0 if hflow.__file__.startswith(sys.argv[1]) else 1)' "$PWD" >/dev/null 2>&1; then
+  echo "gpu_check: pip install --no-deps -e . (offline)" >&2
+  # Build isolation takes setuptools and wheel from the folder; without them, the installed setuptools.
+  pip install --no-index --find-links "$wheels" --no-deps -e . >/dev/null 2>&1 \
+    || pip install --no-index --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
+    || { echo "gpu_check: could not install hflow; using it from the checkout (PYTHONPATH)" >&2
+         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; }
+fi
+
+# 3. The tests marked `gpu`.
+mkdir -p bench/results
+tests_log=$(mktemp)
+"$python" -m pytest -m gpu -p no:cacheprovider -q -rfE tests 2>&1 | tee "$tests_log"
+tests_rc=${PIPESTATUS[0]}
+tests_summary=$(grep -E "(passed|failed|error|skipped|deselected|no tests ran)" "$tests_log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+[[ $tests_rc == 5 ]] && tests_summary="no tests marked gpu were collected"
+rm -f "$tests_log"
+
+# 4. The measurements; its exit status is this script's.
+"$python" bench/gpu_check.py --tests-rc "$tests_rc" --tests-summary "${tests_summary:-exit status $tests_rc}" "$@"

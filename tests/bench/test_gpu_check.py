@@ -1,0 +1,65 @@
+"""scripts/gpu_check.sh and bench/gpu_check.py on a machine without a GPU: both refuse at once, and the
+bench's plumbing (every part, the report, the exit status) works with `--smoke-cpu` (tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+
+
+@no_gpu
+def test_gpu_check_sh_fails_fast_without_a_gpu(tmp_path):
+    # No nvidia-smi on this PATH (and none on a CPU machine anyway): refused before anything is installed.
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    started = time.perf_counter()
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "no CUDA device found" in run.stderr
+    assert time.perf_counter() - started < 10
+
+
+@no_gpu
+def test_bench_refuses_without_cuda(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "no CUDA device found" in run.stderr
+    assert not out.exists()
+
+
+def test_smoke_cpu_runs_every_part_and_writes_the_report(tmp_path):
+    out = tmp_path / "gpu_check.md"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke-cpu", "--out", str(out),
+         "--tests-rc", "0", "--tests-summary", "6 passed"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = out.read_text()
+    assert "Smoke run on CPU" in report and "6 passed" in report
+    for key in "abcd":
+        assert f"\n## {key}. " in report
+    parts = json.loads(out.with_suffix(".json").read_text())["parts"]
+    assert {k: v["status"] for k, v in parts.items() if v["status"] == "ERROR"} == {}
+    # a: the trainer ran with the local backend, validated before and after, without Ray or vLLM
+    assert len(parts["a"]["scores"]) >= 2
+    assert parts["a"]["imports"] == "GPU_CHECK_IMPORTED ray=False vllm=False"
+    # b: fp32 on CPU, so the sampler's and the trainer's log-probs agree to rounding
+    assert parts["b"]["tokens"] > 0 and parts["b"]["max_abs_dp"] < 1e-4
+    # c: both micro-batch sizes measured (no MFU on CPU: no peak FLOP/s)
+    assert [r["update_mfu"] for r in parts["c"]["rows"]] == [None, None]
+    assert all(r["update_tokens_per_s"] > 0 and r["logprob_tokens_per_s"] > 0 for r in parts["c"]["rows"])
+    assert "Ray / vLLM imported by this check | neither" in report
