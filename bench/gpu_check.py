@@ -182,11 +182,14 @@ def _reset_peak() -> None:
 
 
 def _actor_config(**overrides):
+    """The actor section at the schema's defaults as a worker of one rank normalises it (with the derived
+    `ppo_mini_batch_size_per_rank`, in sequences), with `overrides`."""
     from omegaconf import OmegaConf
 
-    import hflow
+    from hflow.config_schema import default_section
+    from hflow.workers.config import resolved_copy
 
-    config = OmegaConf.load(Path(hflow.__file__).parent / "config" / "ppo_trainer.yaml").actor_rollout_ref.actor
+    config = resolved_copy(default_section("actor_rollout_ref.actor"))
     for key, value in overrides.items():
         OmegaConf.update(config, key, value)
     return config
@@ -278,6 +281,7 @@ def part_b(part: Part, smoke: bool, workdir: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from hflow.config_schema import default_section
     from hflow.protocol import DataProto
     from hflow.utils import device
     from hflow.utils.builtin_task import ensure_builtin_assets
@@ -289,7 +293,8 @@ def part_b(part: Part, smoke: bool, workdir: Path) -> None:
     assets = ensure_builtin_assets()
     tokenizer = AutoTokenizer.from_pretrained(assets.model_path)
     n_samples, response_length = (2, 8) if smoke else (8, 8)
-    dataset = RLHFDataset(assets.val_file, tokenizer, {"max_prompt_length": 32}, files_key="data.val_files")
+    dataset = RLHFDataset(assets.val_file, tokenizer, default_section("data", max_prompt_length=32),
+                          files_key="data.val_files")
     items = [dataset[i] for i in range(min(len(dataset), 8 if smoke else 40))]
     prompts = DataProto.from_single_dict(collate_fn(items))
     prompts = prompts.select(batch_keys=["input_ids", "attention_mask", "position_ids"])
@@ -300,8 +305,8 @@ def part_b(part: Part, smoke: bool, workdir: Path) -> None:
     eos = getattr(model.generation_config, "eos_token_id", None)
     prompts.meta_info.update(eos_token_id=eos if eos is not None else tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
-    rollout_config = {"response_length": response_length, "calculate_log_probs": True, "n": n_samples,
-                      "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True}
+    rollout_config = default_section("actor_rollout_ref.rollout", response_length=response_length, n=n_samples,
+                                     temperature=1.0)
     # Not ignore_eos: HF implements it as min_new_tokens, which takes EOS out of the distribution the
     # sampler's log-probs come from, so they would differ from the trainer's by design.
     rollout = HFRollout(model, rollout_config)
@@ -369,7 +374,7 @@ def _speed_once(config, seqs_per_micro: int, micro_batches: int, prompt_len: int
     if checkpointing:
         enable_gradient_checkpointing(model)
     apply_fsdp2(model, _mesh())
-    actor_cfg = _actor_config(ppo_mini_batch_size=seqs_per_micro * micro_batches,
+    actor_cfg = _actor_config(ppo_mini_batch_size_per_rank=seqs_per_micro * micro_batches,
                               ppo_micro_batch_size_per_gpu=seqs_per_micro, shuffle=False, ppo_epochs=1)
     optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
     actor = DataParallelPPOActor(actor_cfg, model, optimizer)

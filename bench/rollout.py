@@ -62,8 +62,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     """Runs in the child process."""
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
+    from hflow.config_schema import default_section
     from hflow.protocol import DataProto
     from hflow.single_controller.base.worker import get_free_port
     from hflow.utils import fsdp_utils
@@ -84,16 +83,9 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     hf_config = module.config
     module = fsdp_utils.apply_fsdp2(module, fsdp_utils.build_device_mesh(1))
     tokenizer = _load_tokenizer(str(model_dir))
-    config = OmegaConf.create({
-        "name": "vllm", "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True,
-        "prompt_length": prompt_len, "response_length": response_len, "dtype": "float32",
-        "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 256 * 2**20,
-        "max_model_len": None, "max_num_batched_tokens": 4096, "max_num_seqs": 256, "enforce_eager": True,
-        "enable_chunked_prefill": False, "enable_prefix_caching": True, "free_cache_engine": True,
-        "load_format": "dummy", "seed": 0, "calculate_log_probs": True, "micro_batch_size": None,
-        "engine_kwargs": {"vllm": {}}, "val_kwargs": {"n": 1, "do_sample": False, "temperature": 0.0,
-                                                      "top_p": 1.0, "top_k": -1},
-    })
+    config = default_section(
+        "actor_rollout_ref.rollout", prompt_length=prompt_len, response_length=response_len, dtype="float32",
+        kv_cache_memory_bytes=256 * 2**20, max_num_batched_tokens=4096, enforce_eager=True)
     rollout = vLLMRollout(str(model_dir), config, tokenizer, hf_config)
     manager = FSDPVLLMShardingManager(module, rollout)
     hf_rollout = HFRollout(module, config)

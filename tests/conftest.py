@@ -7,7 +7,8 @@ import pytest
 
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
-# In-process vLLM engines and no hidden torch.compile in the sampler (see cpu-stack.md, pitfalls 4-5).
+# In-process vLLM engines (the workers share their torch.distributed world with them) and no hidden
+# torch.compile in the sampler (minutes of compiling on a CPU, for nothing).
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TORCHDYNAMO_DISABLE": "1",

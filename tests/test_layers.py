@@ -1,7 +1,7 @@
 """The house's layers point down (docs/architecture.md): a module imports only from its own layer or
 below. Checked on the source, so a new upward import fails here rather than in a review.
 
-    trainer -> workers -> single_controller / protocol -> algorithms / utils
+    trainer -> workers -> single_controller / protocol -> config_schema / algorithms / utils
 """
 
 import ast
@@ -14,6 +14,7 @@ HFLOW = Path(__file__).resolve().parent.parent / "hflow"
 # layer (a package or module under hflow/) -> packages it must never import
 FORBIDDEN = {
     "algorithms": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
+    "config_schema.py": ("hflow.trainer", "hflow.workers", "hflow.single_controller", "hflow.protocol"),
     "utils": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "protocol.py": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "single_controller": ("hflow.trainer", "hflow.workers"),

@@ -642,6 +642,8 @@ def compute_value_loss(
 # ==================================================================================================
 
 _KL_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+# Names `kl_penalty` accepts (`algorithm.kl_penalty`, `actor.kl_loss_type`), each also with a trailing '+'.
+KL_PENALTY_NAMES = tuple(_KL_ALIASES)
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -710,15 +712,15 @@ class AdaptiveKLController:
 
 def get_kl_controller(kl_ctrl_config: Mapping[str, Any] | Any) -> FixedKLController | AdaptiveKLController:
     """Build the controller of `algorithm.kl_ctrl`: `type` is `fixed` (uses `kl_coef`) or `adaptive`
-    (uses `kl_coef`, `target_kl`, `horizon`)."""
-    ctrl_type = _config_value(kl_ctrl_config, "type", None)
-    kl_coef = _config_value(kl_ctrl_config, "kl_coef", 0.001)
+    (uses `kl_coef`, `target_kl`, `horizon`). The defaults live in the config schema, not here."""
+
+    def value(key: str) -> Any:
+        return kl_ctrl_config[key] if isinstance(kl_ctrl_config, Mapping) else getattr(kl_ctrl_config, key)
+
+    ctrl_type = value("type")
     if ctrl_type == "fixed":
-        return FixedKLController(kl_coef=kl_coef)
+        return FixedKLController(kl_coef=value("kl_coef"))
     if ctrl_type == "adaptive":
         return AdaptiveKLController(
-            init_kl_coef=kl_coef,
-            target_kl=_config_value(kl_ctrl_config, "target_kl", 0.1),
-            horizon=_config_value(kl_ctrl_config, "horizon", 10000),
-        )
+            init_kl_coef=value("kl_coef"), target_kl=value("target_kl"), horizon=value("horizon"))
     raise ValueError(f"Unknown algorithm.kl_ctrl.type {ctrl_type!r}; known types: fixed, adaptive")

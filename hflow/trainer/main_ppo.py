@@ -16,7 +16,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hflow.config_schema import default_config, validate_config
 from hflow.trainer.preflight import preflight_check
+from hflow.utils.errors import UserError
+from hflow.utils.logging_utils import install_library_filter, library_noise_env
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "config")
 
@@ -35,8 +38,8 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     """Point unset data and model paths at the built-in task and model (generated on first use).
 
     With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
-    shipped defaults of `ppo_trainer.yaml`: never a key given on the command line (`user_keys`), nor a
-    value that differs from the shipped default.
+    shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
+    command line (`user_keys`), nor a value that differs from the shipped default.
     """
     needs_model = config.actor_rollout_ref.model.path is None
     needs_data = config.data.train_files is None or config.data.val_files is None
@@ -53,7 +56,7 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
         if config.data.val_files is None:
             config.data.val_files = str(assets.val_file)
         if needs_model and needs_data:
-            shipped = OmegaConf.load(Path(CONFIG_DIR) / "ppo_trainer.yaml")
+            shipped = default_config()
             for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "builtin_task.yaml"))):
                 if key not in user_keys and OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
                     OmegaConf.update(config, key, value)
@@ -69,6 +72,7 @@ def _leaves(tree: dict, prefix: str = ""):
 
 def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
     """Train; `user_keys` are the config keys given on the command line."""
+    config = validate_config(config)  # unknown keys and wrong types stop here, naming the key
     fill_builtin_defaults(config, user_keys)
     preflight_check(config)
     OmegaConf.resolve(config)
@@ -86,8 +90,9 @@ def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
 def start_backend(config: DictConfig) -> None:
     """Ray (started here, or joined at `ray_init.address`) for `trainer.backend=ray`; for `local`, the
     workers' environment in this process, and Ray is never imported."""
+    env = {**WORKER_ENV, **library_noise_env()}
     if config.trainer.backend == "local":
-        for key, value in WORKER_ENV.items():
+        for key, value in env.items():
             os.environ.setdefault(key, value)
         return
     import ray
@@ -97,7 +102,7 @@ def start_backend(config: DictConfig) -> None:
             address=config.ray_init.address,
             num_cpus=config.ray_init.num_cpus,
             include_dashboard=False,
-            runtime_env={"env_vars": WORKER_ENV},
+            runtime_env={"env_vars": env},
         )
 
 
@@ -131,16 +136,39 @@ def plot_learning_curve(config: DictConfig) -> None:
 def main(config: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    install_library_filter()
     user_keys = frozenset(o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
     try:
         run_ppo(config, user_keys)
     except KeyboardInterrupt:
         # run_ppo's cleanup has stopped the workers; stop a local Ray cluster too, then exit normally
         # so that every exit handler (scoring processes, loggers) runs.
-        if "ray" in sys.modules:
-            sys.modules["ray"].shutdown()
+        _stop_ray()
         print("interrupted: workers stopped", file=sys.stderr)
         sys.exit(130)
+    except Exception as err:  # noqa: BLE001 - only the user's own errors are caught; the rest re-raise
+        user_error = _user_error(err)
+        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        # The fault is in the config, data or reward function, not in hflow: the message alone, as the
+        # last lines printed (Ray stopped first, so none of its shutdown messages follow it).
+        _stop_ray()
+        sys.stdout.flush()
+        print(f"\nhflow: error: {user_error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _user_error(err: BaseException) -> UserError | None:
+    """`err` itself when it is a UserError, or the one a worker raised (sent back inside a WorkerGroupError)."""
+    if isinstance(err, UserError):
+        return err
+    cause = getattr(err, "user_error", None)
+    return cause if isinstance(cause, UserError) else None
+
+
+def _stop_ray() -> None:
+    if "ray" in sys.modules:  # never import Ray just to stop it (the local backend runs without it)
+        sys.modules["ray"].shutdown()
 
 
 if __name__ == "__main__":

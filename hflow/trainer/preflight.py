@@ -1,8 +1,9 @@
 """Reject impossible configurations before Ray starts or any model loads.
 
-Each check raises `ConfigError` naming the keys to change. The batch-size rules are the workers' own
-(`hflow.workers.config`), applied here with the world size the trainer will use, so the two can never
-disagree.
+Each check raises `ConfigError` naming the keys to change. The rules that the workers also apply (batch
+sizes, tensor parallelism, known names) are the functions of `hflow.config_schema`, applied here with the
+world size the trainer will use, so the two can never disagree. The config has passed
+`hflow.config_schema.validate_config`: every key is present and of its type.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hflow.algorithms import core_algos
-from hflow.utils.tracking import check_backends
-from hflow.workers.config import (
+from hflow.config_schema import (
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    ROLLOUT_NAMES,
     ConfigError,
+    check_choice,
     check_micro_batch,
-    check_model_path,
+    check_mini_batch,
+    check_tensor_parallel,
+    check_train_batch,
     per_rank_mini_batch,
 )
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+from hflow.utils.tracking import check_backends
+from hflow.workers.config import check_model_path
 
 
 def _files(value) -> list[str]:
@@ -41,11 +46,6 @@ def _check_files(value, key: str) -> None:
             raise ConfigError(f"{key}: file {path} does not exist")
 
 
-def _check_choice(value, choices, key: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
-
-
 def preflight_check(config: DictConfig) -> None:
     """All checks that need nothing but the config and the file system (fast: no model is loaded)."""
     data, arr, algo, trainer = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
@@ -53,8 +53,8 @@ def preflight_check(config: DictConfig) -> None:
     world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
     if world < 1:
         raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
-    backend = trainer.get("backend", "ray")
-    _check_choice(backend, ("ray", "local"), "trainer.backend")
+    backend = trainer.backend
+    check_choice(backend, ("ray", "local"), "trainer.backend")
     if backend == "local" and world != 1:
         raise ConfigError(
             f"trainer.backend=local runs one rank in this process, but trainer.n_gpus_per_node x trainer.nnodes "
@@ -75,20 +75,19 @@ def preflight_check(config: DictConfig) -> None:
     known = [e.value for e in core_algos.AdvantageEstimator]
     if algo.adv_estimator not in known:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; choose from {known}")
-    _check_choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
+    check_choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
     try:
         core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode: {err}") from None
     if actor.use_kl_loss:
-        _check_choice(actor.kl_loss_type.rstrip("+"), KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
+        check_choice(actor.kl_loss_type.removesuffix("+"), KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
     if algo.use_kl_in_reward:
-        _check_choice(algo.kl_penalty.rstrip("+"), KL_TYPES, "algorithm.kl_penalty")
-        _check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
-    _check_choice(rollout.name, ("vllm", "hf"), "actor_rollout_ref.rollout.name")
-    if algo.get("reuse_update_log_probs"):
-        actor = config.actor_rollout_ref.actor
-        if algo.get("use_rollout_log_probs"):
+        check_choice(algo.kl_penalty.removesuffix("+"), KL_TYPES, "algorithm.kl_penalty")
+        check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    check_choice(rollout.name, ROLLOUT_NAMES, "actor_rollout_ref.rollout.name")
+    if algo.reuse_update_log_probs:
+        if algo.use_rollout_log_probs:
             raise ConfigError("algorithm.reuse_update_log_probs and algorithm.use_rollout_log_probs both replace the "
                               "old log-prob pass; set only one of them")
         if (int(actor.ppo_epochs) != 1 or int(actor.ppo_mini_batch_size) != int(config.data.train_batch_size)
@@ -98,7 +97,7 @@ def preflight_check(config: DictConfig) -> None:
                 "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
                 f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
                 "algorithm.use_kl_in_reward=false")
-    if algo.get("use_rollout_log_probs") and not rollout.calculate_log_probs:
+    if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
         raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
     if algo.adv_estimator == "gae" and config.critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
@@ -110,36 +109,19 @@ def preflight_check(config: DictConfig) -> None:
 
     # batch sizes (global prompts -> per-rank sequences)
     batch = int(data.train_batch_size)
-    if batch < 1:
-        raise ConfigError(f"data.train_batch_size must be >= 1, got {batch}")
-    if batch * n % world:
-        raise ConfigError(
-            f"data.train_batch_size ({batch}) x actor_rollout_ref.rollout.n ({n}) = {batch * n} sequences cannot be "
-            f"split evenly over {world} ranks (trainer.n_gpus_per_node x trainer.nnodes)")
-    if actor.ppo_mini_batch_size > batch:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is larger than "
-            f"data.train_batch_size ({batch}); it counts prompts of one batch")
-    if batch % actor.ppo_mini_batch_size:
-        raise ConfigError(
-            f"data.train_batch_size ({batch}) must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size "
-            f"({actor.ppo_mini_batch_size})")
+    check_train_batch(batch, n, world)
+    check_mini_batch(actor.ppo_mini_batch_size, batch, "actor_rollout_ref.actor")
     per_rank = per_rank_mini_batch(actor.ppo_mini_batch_size, n, world, "actor_rollout_ref.actor",
                                    "actor_rollout_ref.rollout.n")
     check_micro_batch(per_rank, actor.ppo_micro_batch_size_per_gpu, "actor_rollout_ref.actor",
                       "ppo_micro_batch_size_per_gpu", actor.use_dynamic_bsz)
     if algo.adv_estimator == "gae":
         critic = config.critic
-        if critic.ppo_mini_batch_size > batch:
-            raise ConfigError(f"critic.ppo_mini_batch_size ({critic.ppo_mini_batch_size}) is larger than "
-                              f"data.train_batch_size ({batch})")
+        check_mini_batch(critic.ppo_mini_batch_size, batch, "critic")
         per_rank = per_rank_mini_batch(critic.ppo_mini_batch_size, n, world, "critic", "critic.rollout_n")
         check_micro_batch(per_rank, critic.ppo_micro_batch_size_per_gpu, "critic", "ppo_micro_batch_size_per_gpu",
                           critic.use_dynamic_bsz)
-    tp = int(rollout.tensor_model_parallel_size)
-    if tp < 1 or world % tp:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number "
-                          f"of ranks ({world}, trainer.n_gpus_per_node x trainer.nnodes)")
+    check_tensor_parallel(int(rollout.tensor_model_parallel_size), world)
 
     # lengths against the model's context
     model_config = json.loads((Path(str(arr.model.path)).expanduser() / "config.json").read_text())
@@ -160,7 +142,7 @@ def preflight_check(config: DictConfig) -> None:
         check_backends(trainer.logger)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
+    check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
     if trainer.resume_mode == "resume_path":
         path = trainer.resume_from_path
         if path is None or not Path(str(path)).is_dir() or not Path(str(path)).name.startswith("global_step_"):
@@ -170,16 +152,16 @@ def preflight_check(config: DictConfig) -> None:
         raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
-    _check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
+    check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
-    cpus = int(trainer.get("cpus_per_worker", 1))
+    cpus = int(trainer.cpus_per_worker)
     if cpus < 1:
         raise ConfigError(f"trainer.cpus_per_worker must be >= 1, got {cpus}")
-    threads = trainer.get("threads_per_worker")
+    threads = trainer.threads_per_worker
     if threads is not None and int(threads) < 1:
         raise ConfigError(f"trainer.threads_per_worker must be >= 1 or null, got {threads}")
-    available = config.ray_init.get("num_cpus") or os.cpu_count()
-    joins_cluster = config.ray_init.get("address") or os.environ.get("RAY_ADDRESS")
+    available = config.ray_init.num_cpus or os.cpu_count()
+    joins_cluster = config.ray_init.address or os.environ.get("RAY_ADDRESS")
     if (backend == "ray" and int(trainer.nnodes) == 1 and not joins_cluster
             and cpus * int(trainer.n_gpus_per_node) > available):
         raise ConfigError(
@@ -200,17 +182,16 @@ def check_reward_sources(config: DictConfig) -> None:
     """Without a custom reward function, every data source in the data needs a built-in scorer."""
     if config.custom_reward_function.path is not None:
         return
-    import pyarrow.parquet as pq
-
+    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
     from hflow.utils.reward_score import SCORERS
 
     key = config.data.reward_fn_key
     for files_key in ("data.train_files", "data.val_files"):
         for path in _files(OmegaConf.select(config, files_key)):
-            table = pq.read_table(Path(str(path)).expanduser(), columns=[key]) if key in pq.read_schema(
-                Path(str(path)).expanduser()).names else None
-            if table is None:
+            path = Path(str(path)).expanduser()
+            if key not in read_parquet_schema(path, files_key).names:
                 raise ConfigError(f"{files_key}: {path} has no column {key!r} (data.reward_fn_key)")
+            table = read_parquet(path, files_key, columns=[key])
             unknown = sorted(set(table.column(key).to_pylist()) - set(SCORERS))
             if unknown:
                 raise ConfigError(

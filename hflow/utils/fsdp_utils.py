@@ -535,25 +535,26 @@ def load_optimizer(optimizer: Optimizer) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_optimizer(params: Iterable[nn.Parameter], optim_cfg: Mapping[str, Any]) -> Optimizer:
-    """AdamW from `optim.lr`, `optim.betas` (default (0.9, 0.999)) and `optim.weight_decay` (default 0.01)."""
-    betas = optim_cfg.get("betas") or (0.9, 0.999)
+def build_optimizer(params: Iterable[nn.Parameter], optim_cfg: Any) -> Optimizer:
+    """AdamW from the `optim` section (`lr`, `betas`, `weight_decay`; every key present: build one by hand
+    from `hflow.config_schema.default_config().actor_rollout_ref.actor.optim`)."""
+    betas = optim_cfg.betas
     return torch.optim.AdamW(
         params,
-        lr=float(optim_cfg["lr"]),
+        lr=float(optim_cfg.lr),
         betas=(float(betas[0]), float(betas[1])),
-        weight_decay=float(optim_cfg.get("weight_decay", 0.01)),
+        weight_decay=float(optim_cfg.weight_decay),
     )
 
 
-def build_lr_scheduler(optimizer: Optimizer, optim_cfg: Mapping[str, Any], total_steps: int) -> LambdaLR:
+def build_lr_scheduler(optimizer: Optimizer, optim_cfg: Any, total_steps: int) -> LambdaLR:
     """LR schedule of `optim.warmup_style` (`constant` or `cosine`) over `total_steps` optimizer-schedule
     steps. Warmup lasts `optim.lr_warmup_steps`, or when that is negative
     `int(optim.lr_warmup_steps_ratio * total_steps)`."""
-    warmup = int(optim_cfg.get("lr_warmup_steps", -1))
+    warmup = int(optim_cfg.lr_warmup_steps)
     if warmup < 0:
-        warmup = int(float(optim_cfg.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
-    style = optim_cfg.get("warmup_style", "constant")
+        warmup = int(float(optim_cfg.lr_warmup_steps_ratio) * total_steps)
+    style = optim_cfg.warmup_style
     if style == "constant":
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
     if style == "cosine":
@@ -561,7 +562,7 @@ def build_lr_scheduler(optimizer: Optimizer, optim_cfg: Mapping[str, Any], total
             optimizer,
             num_warmup_steps=warmup,
             num_training_steps=total_steps,
-            min_lr_ratio=float(optim_cfg.get("min_lr_ratio") or 0.0),
-            num_cycles=float(optim_cfg.get("num_cycles", 0.5)),
+            min_lr_ratio=float(optim_cfg.min_lr_ratio),
+            num_cycles=float(optim_cfg.num_cycles),
         )
     raise ValueError(f"optim.warmup_style={style!r} is not supported; use 'constant' or 'cosine'")

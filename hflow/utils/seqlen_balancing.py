@@ -155,7 +155,7 @@ def split_mini_batches(
     in a random order drawn from `generator` (default: the global torch RNG, which checkpoints save and
     restore, so a resumed run shuffles exactly as an uninterrupted one)."""
     if mini_batch_size <= 0:
-        raise ValueError(f"ppo_mini_batch_size must be a positive number of sequences, got {mini_batch_size}")
+        raise ValueError(f"mini_batch_size must be a positive number of sequences, got {mini_batch_size}")
     rows = batch.batch_size[0]
     order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
     if batch.device is not None:
@@ -165,9 +165,10 @@ def split_mini_batches(
 
 def ppo_mini_batches(batch: TensorDict, config) -> Iterator[TensorDict]:
     """The mini-batches of one PPO update, one optimizer step each: `config.ppo_epochs` passes over
-    `batch`, each cut into `config.ppo_mini_batch_size` rows (shuffled when `config.shuffle`)."""
+    `batch`, each cut into `config.ppo_mini_batch_size_per_rank` rows (the worker derives it from the
+    global `ppo_mini_batch_size`; shuffled when `config.shuffle`)."""
     for _ in range(config.ppo_epochs):
-        yield from split_mini_batches(batch, config.ppo_mini_batch_size, shuffle=config.shuffle)
+        yield from split_mini_batches(batch, config.ppo_mini_batch_size_per_rank, shuffle=config.shuffle)
 
 
 def ppo_micro_batches(mini_batch: TensorDict, config) -> list[TensorDict]:

@@ -50,15 +50,15 @@ class _FSDPModelHolder:
         from hflow.utils import fsdp_utils
 
         # `module` was read from disk on rank 0 only (`rank0_only=True`): the shards get its weights
-        cpu_offload = fsdp_config.get("offload_policy", False)
+        cpu_offload = fsdp_config.offload_policy
         with fsdp_utils.weights_from_rank0(module, host_shards=cpu_offload and device.is_cuda()):
             if gradient_checkpointing:
                 fsdp_utils.enable_gradient_checkpointing(module)
             module = fsdp_utils.apply_fsdp2(
                 module,
                 self.device_mesh,
-                mixed_precision=fsdp_config.get("mixed_precision"),
-                reshard_after_forward=fsdp_config.get("reshard_after_forward", True),
+                mixed_precision=fsdp_config.get("mixed_precision"),  # the ref's fsdp_config has none: the default
+                reshard_after_forward=fsdp_config.reshard_after_forward,
                 cpu_offload=cpu_offload,
                 fp32_modules=fp32_modules,
             )
@@ -110,30 +110,28 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
 
         self.config = normalize_actor_rollout_ref(self.raw_config, self.role, self.world_size)
         self.init_distributed()
-        torch.manual_seed(int(self.config.get("seed", 42)))
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
-        self.tokenizer = _load_tokenizer(model_cfg.get("tokenizer_path") or model_cfg.path,
-                                         model_cfg.get("trust_remote_code", False))
+        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         actor_fsdp = self.config.actor.fsdp_config
-        self._offload_param = self._is_actor and actor_fsdp.get("param_offload", False)
-        self._offload_optim = self._is_actor and actor_fsdp.get("optimizer_offload", False)
-        self._offload_ref_param = self._is_ref and self.config.ref.fsdp_config.get("param_offload", False)
+        self._offload_param = self._is_actor and actor_fsdp.param_offload
+        self._offload_optim = self._is_actor and actor_fsdp.optimizer_offload
+        self._offload_ref_param = self._is_ref and self.config.ref.fsdp_config.param_offload
 
         if self._is_actor or self._is_rollout:
             module = fsdp_utils.load_causal_lm(
                 model_cfg.path,
-                dtype=actor_fsdp.get("model_dtype"),
-                override_config=model_cfg.get("override_config"),
-                trust_remote_code=model_cfg.get("trust_remote_code", False),
-                attn_implementation=model_cfg.get("attn_implementation"),
+                dtype=actor_fsdp.model_dtype,
+                override_config=model_cfg.override_config,
+                trust_remote_code=model_cfg.trust_remote_code,
+                attn_implementation=model_cfg.attn_implementation,
                 rank0_only=True,
             )
             self.hf_config = module.config
             self.generation_config = module.generation_config
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
-                gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False),
+                gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
                 train=self._is_actor,
             )
         if self._is_actor:
@@ -155,9 +153,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             ref_module = fsdp_utils.load_causal_lm(
                 model_cfg.path,
                 dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
-                override_config=model_cfg.get("override_config"),
-                trust_remote_code=model_cfg.get("trust_remote_code", False),
-                attn_implementation=model_cfg.get("attn_implementation"),
+                override_config=model_cfg.override_config,
+                trust_remote_code=model_cfg.trust_remote_code,
+                attn_implementation=model_cfg.attn_implementation,
                 rank0_only=True,
             )
             self.ref_module, _, _ = self._build_trainable(
@@ -171,7 +169,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         from torch.distributed.device_mesh import init_device_mesh
 
         rollout_cfg = self.config.rollout
-        if rollout_cfg.get("dtype") is None:
+        if rollout_cfg.dtype is None:
             rollout_cfg.dtype = str(device.compute_dtype()).removeprefix("torch.")
         tp = int(rollout_cfg.tensor_model_parallel_size)
         rollout_mesh = init_device_mesh(device.device_name(), (self.world_size // tp, tp),
@@ -320,21 +318,20 @@ class CriticWorker(Worker, _FSDPModelHolder):
         self.init_distributed()
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
-        self.tokenizer = _load_tokenizer(model_cfg.get("tokenizer_path") or model_cfg.path,
-                                         model_cfg.get("trust_remote_code", False))
+        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         fsdp_cfg = model_cfg.fsdp_config
-        self._offload_param = fsdp_cfg.get("param_offload", False)
-        self._offload_optim = fsdp_cfg.get("optimizer_offload", False)
+        self._offload_param = fsdp_cfg.param_offload
+        self._offload_optim = fsdp_cfg.optimizer_offload
         module = fsdp_utils.load_value_model(
             model_cfg.path,
-            dtype=fsdp_cfg.get("model_dtype"),
-            override_config=model_cfg.get("override_config"),
-            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            dtype=fsdp_cfg.model_dtype,
+            override_config=model_cfg.override_config,
+            trust_remote_code=model_cfg.trust_remote_code,
             rank0_only=True,
         )
         self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
             module, fsdp_cfg, self.config.optim,
-            gradient_checkpointing=model_cfg.get("enable_gradient_checkpointing", False), train=True,
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing, train=True,
             fp32_modules=[module.score])  # values (and the GAE built on them) in fp32, not bf16
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
         self.checkpoint_manager = FSDPCheckpointManager(
@@ -397,12 +394,12 @@ class RewardModelWorker(Worker):
         self.init_distributed()
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
-        trust = model_cfg.get("trust_remote_code", False)
+        trust = model_cfg.trust_remote_code
         self.tokenizer = _load_tokenizer(model_cfg.path, trust)
         # Re-encoded inputs may be longer than the policy's; when reward_model.max_length cuts them, cut
         # from the left so that the response -- the part being scored -- survives.
         self.tokenizer.truncation_side = "left"
-        input_tokenizer = model_cfg.get("input_tokenizer")
+        input_tokenizer = model_cfg.input_tokenizer
         self.input_tokenizer = _load_tokenizer(input_tokenizer, trust) if input_tokenizer else None
         self._retokenize = self.input_tokenizer is not None and (
             self.input_tokenizer.get_vocab() != self.tokenizer.get_vocab()
@@ -414,7 +411,7 @@ class RewardModelWorker(Worker):
         with fsdp_utils.weights_from_rank0(module):
             self.module = fsdp_utils.apply_fsdp2(
                 module, self.device_mesh, mixed_precision=None,
-                reshard_after_forward=model_cfg.fsdp_config.get("reshard_after_forward", True))
+                reshard_after_forward=model_cfg.fsdp_config.reshard_after_forward)
         self.module.requires_grad_(False)
         self.module.eval()
         # The head scores every position inside the model's forward; keep that per-token output (the
@@ -444,7 +441,7 @@ class RewardModelWorker(Worker):
             else:
                 prompt = self.input_tokenizer.decode(prompts[i][prompt_mask[i].bool()], skip_special_tokens=True)
                 texts.append(prompt + response)
-        max_length = self.config.get("max_length")
+        max_length = self.config.max_length
         encoded = self.tokenizer(texts, padding="longest", truncation=max_length is not None, max_length=max_length,
                                  return_tensors="pt", add_special_tokens=raw_chats is None)
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from hflow.config_schema import default_config
 from hflow.utils.dataset import RLHFDataset
 from hflow.utils.reward_score import default_compute_score
 
@@ -65,7 +66,9 @@ def test_output_feeds_the_dataset_and_the_reward(gsm8k, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", TRAIN)
     gsm8k.main(["--input", str(tmp_path / "train.jsonl"), "--local_dir", str(tmp_path / "out")])
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
-    dataset = RLHFDataset(str(tmp_path / "out" / "train.parquet"), tokenizer, {"max_prompt_length": 128})
+    data_config = default_config().data
+    data_config.max_prompt_length = 128
+    dataset = RLHFDataset(str(tmp_path / "out" / "train.parquet"), tokenizer, data_config)
     item = dataset[0]
     assert item["index"] == 0 and item["input_ids"].shape == (128,)
     assert INSTRUCTION in tokenizer.decode(item["raw_prompt_ids"])

@@ -10,12 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import hflow
+from hflow.config_schema import default_section
 from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.flops_counter import device_peak_flops
 from hflow.utils.fsdp_utils import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask, logprobs_from_logits
+from hflow.workers.config import resolved_copy
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +31,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def actor_config(**overrides):
-    config = OmegaConf.load(Path(hflow.__file__).parent / "config" / "ppo_trainer.yaml").actor_rollout_ref.actor
-    for key, value in {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "shuffle": False,
+    """The actor section as a worker of one rank normalises it (with `ppo_mini_batch_size_per_rank`)."""
+    config = resolved_copy(default_section("actor_rollout_ref.actor"))
+    for key, value in {"ppo_mini_batch_size_per_rank": 8, "ppo_micro_batch_size_per_gpu": 4, "shuffle": False,
                        **overrides}.items():
         OmegaConf.update(config, key, value)
     return config
@@ -124,8 +126,7 @@ def test_hf_rollout_on_fsdp2_module(world_of_one, model_dir):
         "input_ids": encoded["input_ids"], "attention_mask": attention_mask,
         "position_ids": compute_position_id_with_mask(attention_mask),
     }, meta_info={"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
-    config = {"response_length": 8, "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True,
-              "calculate_log_probs": True}
+    config = default_section("actor_rollout_ref.rollout", response_length=8, n=2)
     out = HFRollout(model, config).generate_sequences(prompts.to(device.get_device()))
     assert out.batch["responses"].shape == (4, 8)
     mask = out.batch["attention_mask"][:, -8:].bool()

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+from hflow.config_schema import default_config
 from hflow.utils import device
 from hflow.utils.fsdp_utils import (
     apply_fsdp2,
@@ -181,7 +182,7 @@ def test_clip_grad_norm_is_the_norm_of_the_unwrapped_model(model_dir: Path, mesh
 
 def test_non_finite_gradient_skips_the_step(model_dir: Path, mesh):
     model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
-    optimizer = build_optimizer(model.parameters(), {"lr": 0.1})
+    optimizer = build_optimizer(model.parameters(), optim_config(lr=0.1))
     before = {n: t.clone() for n, t in iter_full_params(model)}
     (model(**inputs()).logits.sum() * float("inf")).backward()
     assert not math.isfinite(clip_grad_norm_and_step(model, optimizer, max_norm=1.0))
@@ -192,7 +193,7 @@ def test_non_finite_gradient_skips_the_step(model_dir: Path, mesh):
 
 def test_offload_and_reload_keep_model_and_optimizer_state(model_dir: Path, mesh):
     model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
-    optimizer = build_optimizer(model.parameters(), {"lr": 1e-3})
+    optimizer = build_optimizer(model.parameters(), optim_config(lr=1e-3))
     model(**inputs()).logits.mean().backward()
     optimizer.step()
     with torch.no_grad():
@@ -218,17 +219,26 @@ def test_offload_and_reload_keep_model_and_optimizer_state(model_dir: Path, mesh
 # ------------------------------------------------------------------ optimizer and schedule
 
 
+def optim_config(**overrides):
+    """An `optim` section at the schema's defaults, with `overrides`."""
+    config = default_config().actor_rollout_ref.actor.optim
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
 def test_build_optimizer_reads_the_optim_config():
     params = [torch.nn.Parameter(torch.zeros(2))]
-    optimizer = build_optimizer(params, {"lr": 3e-4, "betas": [0.8, 0.95], "weight_decay": 0.1})
+    optimizer = build_optimizer(params, optim_config(lr=3e-4, betas=[0.8, 0.95], weight_decay=0.1))
     group = optimizer.param_groups[0]
     assert isinstance(optimizer, torch.optim.AdamW)
     assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 0.1)
 
 
 def lr_trace(optim_cfg: dict, total_steps: int) -> list[float]:
-    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(1))], {"lr": 1.0, **optim_cfg})
-    scheduler = build_lr_scheduler(optimizer, {"lr": 1.0, **optim_cfg}, total_steps)
+    config = optim_config(lr=1.0, **optim_cfg)
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
+    scheduler = build_lr_scheduler(optimizer, config, total_steps)
     trace = []
     for _ in range(total_steps):
         trace.append(optimizer.param_groups[0]["lr"])

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
+from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.dataset import (
     ResumableDataLoader,
@@ -59,7 +60,11 @@ def templated_ids(tokenizer, question, template=None):
 
 
 def config(**overrides):
-    return {"max_prompt_length": 64, "truncation": "error", "filter_overlong_prompts": False, **overrides}
+    """The `data` section at the schema's defaults, with this module's settings and `overrides`."""
+    data = default_config().data
+    for key, value in {"max_prompt_length": 64, "filter_overlong_prompts": False, **overrides}.items():
+        data[key] = value
+    return data
 
 
 # ---- items ---------------------------------------------------------------------------------------
@@ -143,6 +148,15 @@ def test_schema_errors_name_the_column_and_file(tokenizer, tmp_path, drop, chang
     with pytest.raises(ValueError, match=message) as error:
         RLHFDataset(path, tokenizer, config())
     assert "bad.parquet" in str(error.value)
+
+
+def test_a_file_that_is_not_parquet_is_named_with_its_key(tokenizer, tmp_path):
+    from hflow.utils.errors import DataError
+
+    path = tmp_path / "corrupt.parquet"
+    path.write_bytes(b"not parquet\n" * 10)
+    with pytest.raises(DataError, match=r"data\.val_files: .*corrupt\.parquet is not a readable parquet file"):
+        RLHFDataset(str(path), tokenizer, config(), files_key="data.val_files")
 
 
 def test_bad_truncation_mode(tokenizer, tmp_path):
@@ -250,7 +264,7 @@ def test_sampler_orders_are_seeded_per_epoch():
     assert sampler.order(0) != sampler.order(1)
     assert sorted(sampler.order(1)) == list(range(10))
     assert SeededEpochSampler(5, shuffle=False).order(7) == [0, 1, 2, 3, 4]
-    created = create_rl_sampler({"shuffle": False, "seed": 9}, list(range(4)))
+    created = create_rl_sampler(config(shuffle=False, seed=9), list(range(4)))
     assert (created.shuffle, created.seed, len(created)) == (False, 9, 4)
 
 
@@ -301,7 +315,7 @@ def test_loader_rejects_batch_larger_than_data():
 
 def test_loader_over_dataset_with_worker_processes(tokenizer, tmp_path):
     dataset = RLHFDataset(write(tmp_path / "t.parquet", rows()), tokenizer, config())
-    sampler = create_rl_sampler({"shuffle": True, "seed": 1}, dataset)
+    sampler = create_rl_sampler(config(shuffle=True, seed=1), dataset)
     in_process = ResumableDataLoader(dataset, 2, sampler=sampler)
     workers = ResumableDataLoader(dataset, 2, sampler=sampler, num_workers=1)
     expected = [DataProto.from_single_dict(batch) for batch in in_process]
@@ -315,7 +329,7 @@ def test_loader_over_dataset_with_worker_processes(tokenizer, tmp_path):
 
 def test_create_train_dataloader_from_config(tokenizer, tmp_path):
     dataset = RLHFDataset(write(tmp_path / "t.parquet", rows()), tokenizer, config())
-    data_config = {"train_batch_size": 3, "shuffle": True, "seed": 5, "dataloader_num_workers": 0}
+    data_config = config(train_batch_size=3, shuffle=True, seed=5, dataloader_num_workers=0)
     loader = create_train_dataloader(dataset, data_config)
     assert len(loader) == 1  # 4 prompts, batches of 3, the incomplete one dropped
     [batch] = list(loader)

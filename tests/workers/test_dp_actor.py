@@ -13,13 +13,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.fsdp_utils import load_causal_lm
 from hflow.utils.seqlen_balancing import rearrange_micro_batches
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
+from hflow.workers.config import resolved_copy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 6, 5, 100
 LR = 0.5  # plain SGD: parameter changes are proportional to the gradient, so any mis-scaling shows
 
@@ -67,8 +68,10 @@ def make_batch(n: int, seed: int = 0, temperature: float = 1.0) -> DataProto:
 
 
 def actor_config(**overrides) -> DictConfig:
-    config = OmegaConf.load(REPO_ROOT / "config" / "ppo_trainer.yaml").actor_rollout_ref.actor
-    settings = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "shuffle": False, "grad_clip": 1e6}
+    """`actor_rollout_ref.actor` at the schema's defaults as a worker normalises it (with the derived
+    `ppo_mini_batch_size_per_rank`, in sequences), with this module's settings and `overrides`."""
+    config = resolved_copy(default_config().actor_rollout_ref.actor)
+    settings = {"ppo_mini_batch_size_per_rank": 8, "ppo_micro_batch_size_per_gpu": 8, "shuffle": False, "grad_clip": 1e6}
     for key, value in {**settings, **overrides}.items():
         OmegaConf.update(config, key, value)
     return config
@@ -156,7 +159,7 @@ def test_dynamic_bsz_log_probs_and_entropys_keep_row_order(model_dir: Path):
 
 def test_first_mini_batch_on_fresh_old_log_probs_has_zero_kl_and_clipfrac(model_dir: Path):
     model = load_causal_lm(str(model_dir))
-    config = actor_config(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
+    config = actor_config(ppo_mini_batch_size_per_rank=4, ppo_micro_batch_size_per_gpu=2)
     actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=LR))
     data = make_batch(8, seed=5)
     add_old_log_probs(actor, data, noise=0.0)
@@ -240,7 +243,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, workdir: 
         for mode, cut in RANK_RUNS.items():
             model = apply_fsdp2(load_causal_lm(model_path), mesh)
             config = actor_config(
-                loss_agg_mode=mode, ppo_mini_batch_size=GLOBAL_MINI // world_size, use_kl_loss=True, **cut
+                loss_agg_mode=mode, ppo_mini_batch_size_per_rank=GLOBAL_MINI // world_size, use_kl_loss=True, **cut
             )
             actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=LR))
             metrics = actor.update_policy(data)
@@ -273,7 +276,7 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path):
             model_dir,
             data,
             loss_agg_mode=mode,
-            ppo_mini_batch_size=GLOBAL_MINI,
+            ppo_mini_batch_size_per_rank=GLOBAL_MINI,
             ppo_micro_batch_size_per_gpu=GLOBAL_MINI,
             use_kl_loss=True,
         )

@@ -10,13 +10,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.fsdp_utils import build_optimizer, load_value_model
 from hflow.utils.seqlen_balancing import rearrange_micro_batches
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.critic import DataParallelPPOCritic
+from hflow.workers.config import resolved_copy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 6, 5, 100
 
 
@@ -64,10 +65,10 @@ def make_batch(n: int, seed: int = 0) -> DataProto:
 
 
 def critic_config(**overrides) -> DictConfig:
-    root = OmegaConf.load(REPO_ROOT / "config" / "ppo_trainer.yaml")
-    OmegaConf.resolve(root)
-    config = root.critic
-    settings = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "shuffle": False, "grad_clip": 1e6}
+    """`critic` at the schema's defaults as the worker normalises it (with the derived
+    `ppo_mini_batch_size_per_rank`, in sequences), with this module's settings and `overrides`."""
+    config = resolved_copy(default_config().critic)
+    settings = {"ppo_mini_batch_size_per_rank": 8, "ppo_micro_batch_size_per_gpu": 8, "shuffle": False, "grad_clip": 1e6}
     for key, value in {**settings, **overrides}.items():
         OmegaConf.update(config, key, value)
     return config
@@ -107,9 +108,9 @@ def test_dynamic_bsz_values_keep_row_order(model_dir: Path):
 
 
 def test_value_loss_falls_on_a_fixed_batch(model_dir: Path):
-    config = critic_config(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, grad_clip=1.0)
+    config = critic_config(ppo_mini_batch_size_per_rank=4, ppo_micro_batch_size_per_gpu=2, grad_clip=1.0)
     model = load_value_model(str(model_dir))
-    critic = DataParallelPPOCritic(config, model, build_optimizer(model.parameters(), {"lr": 3e-3}))
+    critic = DataParallelPPOCritic(config, model, build_optimizer(model.parameters(), OmegaConf.merge(config.optim, {"lr": 3e-3})))
     data = make_batch(8, seed=3)
     losses = []
     for _ in range(6):

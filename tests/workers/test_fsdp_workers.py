@@ -134,12 +134,26 @@ def test_first_mini_batch_has_zero_kl_and_clip_fraction(groups):
     assert all(np.isfinite(metrics["actor/grad_norm"]))
 
 
-def test_reference_policy_stays_at_the_initial_weights(groups):
+@torch.no_grad()
+def hf_log_probs(model_dir, batch):
+    """Log-probs of the responses under the weights in `model_dir`, computed here with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    responses = batch.batch["responses"]
+    logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                   position_ids=batch.batch["position_ids"]).logits[:, -responses.shape[1] - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def test_reference_policy_stays_at_the_initial_weights(groups, model_path):
     batch = rollout_step(groups, seed=3)
-    ref = groups["ref"].compute_ref_log_prob(batch)
+    ref = groups["ref"].compute_ref_log_prob(batch).batch["ref_log_prob"]
     mask = batch.batch["response_mask"].bool()
-    # the actor has been updated by earlier tests, the reference has not
-    assert (ref.batch["ref_log_prob"] - batch.batch["old_log_probs"]).abs()[mask].max() > 1e-3
+    # the reference scores as the model folder's weights do ...
+    assert (ref - hf_log_probs(model_path, batch)).abs()[mask].max() < 1e-4
+    # ... while the actor, updated by earlier tests, no longer does
+    assert (ref - batch.batch["old_log_probs"]).abs()[mask].max() > 1e-3
 
 
 def test_critic_value_loss_falls_on_a_fixed_batch(groups):

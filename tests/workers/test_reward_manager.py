@@ -334,13 +334,13 @@ def test_registry(monkeypatch):
 def test_the_example_reward_function_loads_and_scores():
     from pathlib import Path
 
-    from omegaconf import OmegaConf
-
+    from hflow.config_schema import default_config
     from hflow.workers.reward_manager import get_custom_reward_fn
 
     example = Path(__file__).resolve().parents[2] / "examples" / "reward_functions" / "length_penalty.py"
-    config = OmegaConf.create({"custom_reward_function": {
-        "path": str(example), "name": "compute_score", "reward_kwargs": {"penalty_per_char": 0.01}}})
+    config = default_config()
+    config.custom_reward_function.path = str(example)
+    config.custom_reward_function.reward_kwargs = {"penalty_per_char": 0.01}
     fn = get_custom_reward_fn(config)
     result = fn("openai/gsm8k", "so the answer is #### 72", "72")
     assert result["correct"] == 1.0

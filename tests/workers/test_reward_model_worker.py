@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
+from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.tiny_models import build_tokenizer
 from hflow.utils.torch_functional import compute_position_id_with_mask
@@ -36,11 +36,10 @@ def folders(tmp_path_factory):
 
 
 def make_worker(model_path, input_tokenizer=None):
-    config = OmegaConf.create({
-        "model": {"path": str(model_path), "input_tokenizer": input_tokenizer, "trust_remote_code": False,
-                  "fsdp_config": {"reshard_after_forward": True}},
-        "micro_batch_size_per_gpu": 2, "max_length": None,
-    })
+    config = default_config().reward_model
+    config.model.path = str(model_path)
+    config.model.input_tokenizer = input_tokenizer
+    config.micro_batch_size_per_gpu = 2
     worker = RewardModelWorker(config)
     worker.init_model()
     return worker

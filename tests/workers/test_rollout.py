@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import compute_position_id_with_mask, get_response_mask
 from hflow.workers.rollout import HFRollout
@@ -37,34 +38,20 @@ LONG_CONTEXT = "The quick brown fox jumps over the lazy dog. " * 8  # 152 tokens
 
 
 def rollout_config(**overrides) -> DictConfig:
-    config = {
-        "name": "vllm",
+    """`actor_rollout_ref.rollout` at the schema's defaults, with this module's settings and `overrides`."""
+    config = default_config().actor_rollout_ref.rollout
+    settings = {
         "n": 4,
         "temperature": TEMPERATURE,
-        "top_p": 1.0,
-        "top_k": -1,
         "prompt_length": PROMPT_LENGTH,
         "response_length": RESPONSE_LENGTH,
         "dtype": "float32",
         "enforce_eager": True,
-        "gpu_memory_utilization": 0.5,
         "kv_cache_memory_bytes": 64 * 2**20,
-        "tensor_model_parallel_size": 1,
-        "max_model_len": None,
-        "max_num_batched_tokens": 8192,
-        "enable_chunked_prefill": False,
-        "enable_prefix_caching": True,
-        "free_cache_engine": True,
-        "load_format": "dummy",
-        "seed": 0,
-        "calculate_log_probs": True,
-        "do_sample": True,
-        "micro_batch_size": None,
-        "val_kwargs": {"top_k": -1, "top_p": 1.0, "temperature": 0, "n": 1, "do_sample": False},
-        "engine_kwargs": {"vllm": {}},
     }
-    config.update(overrides)
-    return OmegaConf.create(config)
+    for key, value in {**settings, **overrides}.items():
+        OmegaConf.update(config, key, value, merge=True)
+    return config
 
 
 # ---- fixtures -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import sys
 from contextlib import closing
 
 from hflow.single_controller.base.decorator import Dispatch, Execute, register
+from hflow.utils.logging_utils import install_library_filter
 
 
 def get_free_port() -> int:
@@ -50,6 +51,7 @@ class Worker:
     """Base class of SPMD workers; subclasses add `@register`-ed methods."""
 
     def __init__(self):
+        install_library_filter()  # the worker's process prints the user's run, not library noise
         env = os.environ
         self._rank = int(env.get("RANK", "0"))
         self._world_size = int(env.get("WORLD_SIZE", "1"))
@@ -119,6 +121,17 @@ class Worker:
         )
 
     # Plain (unregistered) helpers, callable through worker_group.execute_all_sync(name, ...).
+    def seed_everything(self, seed: int) -> None:
+        """Seed this process's Python, NumPy and torch RNGs (model init, mini-batch shuffling)."""
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # the CUDA generators too
+
     def get_pid(self) -> int:
         return os.getpid()
 

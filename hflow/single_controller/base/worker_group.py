@@ -89,6 +89,10 @@ def registered_methods(cls: type) -> dict[str, dict]:
 class WorkerGroupError(RuntimeError):
     """A worker method failed (raised, or its process died) on one rank."""
 
+    # The worker's own exception when it is a `UserError` (a bad config, data or reward function): the
+    # trainer's entry point then prints that message alone, with no traceback.
+    user_error: Exception | None = None
+
 
 def _rank_side_method(func: Callable, attrs: dict) -> Callable:
     """`func` as a rank runs it for a group call: futures resolved to this rank's chunk, padding dropped."""

@@ -21,6 +21,7 @@ from hflow.single_controller.base.worker_group import (
     rank_side_class,
 )
 from hflow.utils import device
+from hflow.utils.errors import UserError
 
 
 class RayResourcePool(ResourcePool):
@@ -260,7 +261,10 @@ class RayWorkerGroup(WorkerGroup):
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as err:
-            raise WorkerGroupError(f"worker {name} (rank {rank}) raised in {method_name}():\n{err}") from None
+            error = WorkerGroupError(f"worker {name} (rank {rank}) raised in {method_name}():\n{err}")
+            if isinstance(err.cause, UserError):
+                error.user_error = err.cause
+            raise error from None
         except ray.exceptions.RayActorError as err:
             raise WorkerGroupError(
                 f"worker {name} (rank {rank}) died during {method_name}(): {type(err).__name__}: {err}"

@@ -100,14 +100,14 @@ def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs)
     from hflow.utils import device
 
     nodes, per_node = int(trainer_cfg.nnodes), int(trainer_cfg.n_gpus_per_node)
-    threads = trainer_cfg.get("threads_per_worker")
+    threads = trainer_cfg.threads_per_worker
     use_gpu = device.cluster_has_gpus(ray.cluster_resources())
     if threads is None and use_gpu:
         # A GPU worker reserves one Ray CPU but its host-side work (data, tokenisation, optimizer
         # offload) wants more threads than one: share the node's cores among its workers.
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // nodes // per_node))
     pool = RayResourcePool([per_node] * nodes, use_gpu=use_gpu, name_prefix="global_pool",
-                           cpus_per_worker=int(trainer_cfg.get("cpus_per_worker", 1)),
+                           cpus_per_worker=int(trainer_cfg.cpus_per_worker),
                            threads_per_worker=None if threads is None else int(threads))
     return RayWorkerGroup(pool, cls_with_init)
 
@@ -162,6 +162,7 @@ class RayPPOTrainer:
         self.ref_policy_wg = groups.get(Role.RefPolicy.value)
         self.rm_wg = groups.get(Role.RewardModel.value)
         self.actor_rollout_wg = groups[Role.ActorRollout.value]
+        self.worker_group.execute_all_sync("seed_everything", int(self.config.trainer.seed))
         for wg in (self.critic_wg, self.ref_policy_wg, self.rm_wg, self.actor_rollout_wg):
             if wg is not None:
                 wg.init_model()
@@ -207,7 +208,7 @@ class RayPPOTrainer:
         return val_metrics
 
     def train_step(self, batch: DataProto) -> tuple[dict[str, float], dict[str, float]]:
-        """One PPO/GRPO iteration on a batch of prompts (DESIGN.md §1)."""
+        """One PPO/GRPO iteration on a batch of prompts: the seven steps below, in the order of the algorithm."""
         algo = self.config.algorithm
         n = self.config.actor_rollout_ref.rollout.n
         metrics: dict[str, float] = {}

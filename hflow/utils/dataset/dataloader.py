@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
@@ -40,10 +41,10 @@ class SeededEpochSampler:
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
 
-def create_rl_sampler(data_config: Mapping[str, Any], dataset: Dataset) -> SeededEpochSampler:
+def create_rl_sampler(data_config: DictConfig, dataset: Dataset) -> SeededEpochSampler:
     """The training order: shuffled per epoch (``data.shuffle``) from ``data.seed``."""
     return SeededEpochSampler(
-        len(dataset), shuffle=bool(data_config.get("shuffle", True)), seed=int(data_config.get("seed", 1))
+        len(dataset), shuffle=bool(data_config.shuffle), seed=int(data_config.seed)
     )
 
 
@@ -153,16 +154,16 @@ class ResumableDataLoader:
 
 def create_train_dataloader(
     dataset: Dataset,
-    data_config: Mapping[str, Any],
+    data_config: DictConfig,
     collate_fn: Callable[[list[Any]], Any] = default_collate_fn,
 ) -> ResumableDataLoader:
     """The training loader: ``data.train_batch_size`` prompts per batch in `create_rl_sampler` order,
     incomplete last batches dropped, loaded in ``data.dataloader_num_workers`` processes."""
     return ResumableDataLoader(
         dataset,
-        batch_size=int(data_config["train_batch_size"]),
+        batch_size=int(data_config.train_batch_size),
         sampler=create_rl_sampler(data_config, dataset),
         collate_fn=collate_fn,
         drop_last=True,
-        num_workers=int(data_config.get("dataloader_num_workers", 0) or 0),
+        num_workers=int(data_config.dataloader_num_workers),
     )

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from hflow.utils.errors import DataError
 from hflow.utils.torch_functional import compute_position_id_with_mask
 
-__all__ = ["RLHFDataset", "collate_fn"]
+__all__ = ["RLHFDataset", "collate_fn", "read_parquet", "read_parquet_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,8 @@ class RLHFDataset(Dataset):
         tokenizer: a Hugging Face tokenizer with a chat template (or set ``data.chat_template``).
         config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
             ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``return_raw_chat``,
-            ``chat_template``.
+            ``chat_template`` (every key present: build one by hand from
+            ``hflow.config_schema.default_config().data``).
         files_key: the config key the files came from, for error messages.
 
     An item has ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
@@ -51,17 +54,17 @@ class RLHFDataset(Dataset):
         self,
         data_files: str | os.PathLike | Sequence[str | os.PathLike],
         tokenizer: Any,
-        config: Mapping[str, Any],
+        config: DictConfig,
         files_key: str = "data.train_files",
     ) -> None:
         self.tokenizer = tokenizer
         self.files = _resolve_files(data_files, files_key)
-        self.prompt_key = config.get("prompt_key", "prompt")
-        self.reward_fn_key = config.get("reward_fn_key", "data_source")
-        self.max_prompt_length = int(config.get("max_prompt_length", 1024))
-        self.truncation = config.get("truncation", "error")
-        self.return_raw_chat = bool(config.get("return_raw_chat", False))
-        self.chat_template = config.get("chat_template")
+        self.prompt_key = config.prompt_key
+        self.reward_fn_key = config.reward_fn_key
+        self.max_prompt_length = int(config.max_prompt_length)
+        self.truncation = config.truncation
+        self.return_raw_chat = bool(config.return_raw_chat)
+        self.chat_template = config.chat_template
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
         if self.max_prompt_length < 1:
@@ -75,10 +78,10 @@ class RLHFDataset(Dataset):
         if self.pad_token_id is None:
             raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
 
-        tables = [self._read(path) for path in self.files]
+        tables = [self._read(path, files_key) for path in self.files]
         self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         self.num_filtered = 0
-        if config.get("filter_overlong_prompts", True):
+        if config.filter_overlong_prompts:
             self._drop_overlong()
 
     def __len__(self) -> int:
@@ -105,17 +108,18 @@ class RLHFDataset(Dataset):
 
     # ---- loading ---------------------------------------------------------------------------------
 
-    def _read(self, path: str) -> pa.Table:
+    def _read(self, path: str, files_key: str) -> pa.Table:
         """Read one parquet file and check that it has the columns the trainer and reward need."""
-        table = pq.read_table(path)
+        table = read_parquet(path, files_key)
         schema = table.schema
         columns = schema.names
 
-        def schema_error(what: str) -> ValueError:
-            return ValueError(f"{path}: {what}; the file has columns {columns}")
+        def schema_error(what: str) -> DataError:
+            return DataError(f"{files_key}: {path}: {what}; the file has columns {columns}")
 
         if self.prompt_key not in columns:
-            raise schema_error(f"no prompt column {self.prompt_key!r} (data.prompt_key)")
+            raise schema_error(f"no prompt column {self.prompt_key!r} (data.prompt_key), which must name the "
+                               "column of chat messages")
         prompt_type = schema.field(self.prompt_key).type
         if not (
             (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
@@ -142,7 +146,7 @@ class RLHFDataset(Dataset):
         keep = [i for i, length in enumerate(lengths) if length <= self.max_prompt_length]
         self.num_filtered = len(lengths) - len(keep)
         if not keep:
-            raise ValueError(
+            raise DataError(
                 f"{self.files}: all {len(lengths)} prompts are longer than data.max_prompt_length="
                 f"{self.max_prompt_length} tokens (the shortest has {min(lengths, default=0)}); raise "
                 "data.max_prompt_length"
@@ -178,7 +182,7 @@ class RLHFDataset(Dataset):
         if self.truncation == "middle":
             head = limit // 2
             return ids[:head] + ids[len(ids) - (limit - head) :]
-        raise ValueError(
+        raise DataError(
             f"{self.files}: the prompt of sample {index} is {len(ids)} tokens, longer than data.max_prompt_length="
             f"{limit}; raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, "
             "or set data.truncation to left, right or middle"
@@ -215,6 +219,28 @@ def collate_fn(items: list[dict[str, Any]]) -> dict[str, torch.Tensor | np.ndarr
             if isinstance(batch.get(key), torch.Tensor):
                 batch[key] = batch[key][:, first:].contiguous()
     return batch
+
+
+def read_parquet(path: str | os.PathLike, files_key: str, columns: list[str] | None = None) -> pa.Table:
+    """`pq.read_table`, with errors that name the file and the key it came from (pyarrow's own, such as
+    "Parquet magic bytes not found", name neither)."""
+    try:
+        return pq.read_table(path, columns=columns)
+    except (OSError, pa.ArrowException) as err:
+        raise _unreadable(path, files_key, err) from err
+
+
+def read_parquet_schema(path: str | os.PathLike, files_key: str) -> pa.Schema:
+    """`pq.read_schema` (the footer only), with errors that name the file and the key."""
+    try:
+        return pq.read_schema(path)
+    except (OSError, pa.ArrowException) as err:
+        raise _unreadable(path, files_key, err) from err
+
+
+def _unreadable(path: str | os.PathLike, files_key: str, err: Exception) -> DataError:
+    return DataError(f"{files_key}: {path} is not a readable parquet file ({type(err).__name__}: {err}); "
+                     "write it with pandas' DataFrame.to_parquet or pyarrow.parquet.write_table")
 
 
 def _resolve_files(data_files: Any, files_key: str) -> list[str]:

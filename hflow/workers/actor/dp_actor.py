@@ -92,7 +92,8 @@ class StepMetrics:
 class DataParallelPPOActor(BasePPOActor):
     """PPO policy (or, without an optimizer, a frozen reference policy) on an FSDP2-sharded HF causal LM.
 
-    `config` is `actor_rollout_ref.actor` (or `.ref`): batch sizes per rank, loss settings. The
+    `config` is `actor_rollout_ref.actor` (or `.ref`) as the worker normalised it (`hflow.workers.config`:
+    the derived `ppo_mini_batch_size_per_rank`, in sequences, beside the user's keys) and loss settings. The
     module may also be an unwrapped HF model (single process), which tests use as the reference.
     """
 
@@ -156,8 +157,8 @@ class DataParallelPPOActor(BasePPOActor):
     # ---- update -----------------------------------------------------------------------------------
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
-        """`ppo_epochs` passes over `data` in mini-batches of `ppo_mini_batch_size` sequences, one
-        optimizer step each. Returns metric lists with one entry per step."""
+        """`ppo_epochs` passes over `data` in mini-batches of `ppo_mini_batch_size_per_rank` sequences,
+        one optimizer step each. Returns metric lists with one entry per step."""
         if self.actor_optimizer is None:
             raise RuntimeError("this actor has no optimizer (a reference policy): it can only compute log-probs")
         self.actor_module.train()

@@ -36,7 +36,7 @@ _FORWARD_KEYS = ("responses", "input_ids", "attention_mask", "position_ids")
 class DataParallelPPOCritic(BasePPOCritic):
     """Value function on an FSDP2-sharded (or, in a single process, plain) HF token-classification model.
 
-    `config` is the `critic` subtree with batch sizes per rank.
+    `config` is the `critic` subtree as the worker normalised it (with `ppo_mini_batch_size_per_rank`).
     """
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: Optimizer) -> None:
@@ -79,7 +79,7 @@ class DataParallelPPOCritic(BasePPOCritic):
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes over `data` (`values` from rollout time, `returns`) in mini-batches of
-        `ppo_mini_batch_size` sequences, one optimizer step each, minimising the clipped value loss."""
+        `ppo_mini_batch_size_per_rank` sequences, one optimizer step each, minimising the clipped value loss."""
         self.critic_module.train()
         cfg = self.config
         keys = [*_FORWARD_KEYS, "values", "returns"]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hflow.protocol import DataProto
+from hflow.utils.errors import UserError
 from hflow.utils.reward_score import default_compute_score
 from hflow.utils.reward_score.runner import CallResult, ScoringPool
 from hflow.workers.reward_manager.registry import register
@@ -28,7 +29,7 @@ __all__ = ["NaiveRewardManager", "RewardFunctionError"]
 _ON_ERROR = ("raise", "zero")
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     """The reward function failed for a sample (raised, timed out, died or returned a non-number)."""
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import get_response_mask
@@ -65,8 +66,9 @@ class SamplingSettings:
         return cls(n=1, temperature=0.0, top_p=1.0, top_k=-1)
 
 
-def resolve_sampling(config: Mapping[str, Any], meta_info: Mapping[str, Any]) -> SamplingSettings:
-    """Sampling settings for one batch: the rollout config, overridden by the batch's meta_info.
+def resolve_sampling(config: DictConfig, meta_info: Mapping[str, Any]) -> SamplingSettings:
+    """Sampling settings for one batch: the rollout config (`actor_rollout_ref.rollout`), overridden by
+    the batch's meta_info.
 
     * `meta_info["validate"]`: `config.val_kwargs` (greedy unless `val_kwargs.do_sample` and a
       non-zero temperature). One sample per row: like verl, the trainer repeats the validation batch
@@ -75,27 +77,25 @@ def resolve_sampling(config: Mapping[str, Any], meta_info: Mapping[str, Any]) ->
     * otherwise `config.n` samples at `config.temperature`, `top_p`, `top_k`.
     """
     if meta_info.get("validate", False):
-        val = config.get("val_kwargs") or {}
-        temperature = float(val.get("temperature", 0.0))
-        if not val.get("do_sample", False) or temperature == 0:
+        val = config.val_kwargs
+        temperature = float(val.temperature)
+        if not val.do_sample or temperature == 0:
             return SamplingSettings.greedy_settings()
-        return SamplingSettings(
-            n=1, temperature=temperature, top_p=float(val.get("top_p", 1.0)), top_k=int(val.get("top_k", -1))
-        )
-    if not meta_info.get("do_sample", config.get("do_sample", True)):
+        return SamplingSettings(n=1, temperature=temperature, top_p=float(val.top_p), top_k=int(val.top_k))
+    if not meta_info.get("do_sample", config.do_sample):
         return SamplingSettings.greedy_settings()
-    temperature = float(config.get("temperature", 1.0))
+    temperature = float(config.temperature)
     if temperature <= 0:
         raise ValueError(
             f"rollout.temperature={temperature} with do_sample=True; use a positive temperature, "
             "or do_sample=False for greedy decoding"
         )
     return SamplingSettings(
-        n=int(config.get("n", 1)),
+        n=int(config.n),
         temperature=temperature,
-        top_p=float(config.get("top_p", 1.0)),
-        top_k=int(config.get("top_k", -1)),
-        ignore_eos=bool(config.get("ignore_eos", False)),
+        top_p=float(config.top_p),
+        top_k=int(config.top_k),
+        ignore_eos=bool(config.ignore_eos),
     )
 
 

@@ -8,11 +8,11 @@ is done (ranks that stop early would otherwise leave the others waiting in an al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
 from hflow.protocol import DataProto
@@ -37,16 +37,16 @@ class HFRollout(BaseRollout):
     temperature and top-k/top-p warpers: the same quantity the vLLM rollout reports.
     """
 
-    def __init__(self, module: nn.Module, config: Mapping[str, Any]) -> None:
+    def __init__(self, module: nn.Module, config: DictConfig) -> None:
         self.module = module
         self.config = config
-        self.response_length = int(config["response_length"])
-        self.calculate_log_probs = bool(config.get("calculate_log_probs", True))
+        self.response_length = int(config.response_length)
+        self.calculate_log_probs = bool(config.calculate_log_probs)
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         settings = resolve_sampling(self.config, prompts.meta_info)
-        micro_batch_size = self.config.get("micro_batch_size") or len(prompts)
+        micro_batch_size = self.config.micro_batch_size or len(prompts)
         was_training = self.module.training
         self.module.eval()
         try:

@@ -20,7 +20,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
+from hflow.config_schema import check_tensor_parallel
 from hflow.protocol import DataProto
 from hflow.utils.device import is_cuda
 from hflow.utils.torch_functional import pad_2d_list_to_length
@@ -58,7 +59,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
 class vLLMRollout(BaseRollout):
-    """`generate_sequences` on a vLLM engine built from `model_path` and the rollout config.
+    """`generate_sequences` on a vLLM engine built from `model_path` and the rollout config
+    (`actor_rollout_ref.rollout`, every key present: code that builds one by hand starts from
+    `hflow.config_schema.default_config()`).
 
     `model_hf_config` is the HF config of the policy (for the context-length check); `device_mesh`,
     when given, is the rollout mesh `("dp", "infer_tp")` and must agree with
@@ -69,16 +72,16 @@ class vLLMRollout(BaseRollout):
     def __init__(
         self,
         model_path: str,
-        config: Mapping[str, Any],
+        config: DictConfig,
         tokenizer: Any,
         model_hf_config: Any,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         self.config = config
-        self.response_length = int(config["response_length"])
-        self.calculate_log_probs = bool(config.get("calculate_log_probs", True))
+        self.response_length = int(config.response_length)
+        self.calculate_log_probs = bool(config.calculate_log_probs)
         # Sleep releases weights and KV cache between generations; only CUDA supports it.
-        self.sleep_enabled = is_cuda() and bool(config.get("free_cache_engine", True))
+        self.sleep_enabled = is_cuda() and bool(config.free_cache_engine)
 
         self.tied_embeddings = _ties_embeddings(model_hf_config)
         engine_kwargs = self._engine_kwargs(model_path, config, model_hf_config, device_mesh)
@@ -88,7 +91,7 @@ class vLLMRollout(BaseRollout):
         self.init_s = time.perf_counter() - started
         backend = engine_kwargs["distributed_executor_backend"] or "in-process"
         logger.info("vLLM engine ready in %.1fs (%s)", self.init_s, backend)
-        if self.calculate_log_probs and (int(config.get("top_k", -1)) > 0 or float(config.get("top_p", 1.0)) < 1):
+        if self.calculate_log_probs and (int(config.top_k) > 0 or float(config.top_p) < 1):
             logger.warning(
                 "rollout.top_k/top_p truncate the sampling distribution: rollout_log_probs are log-probs of the "
                 "truncated, renormalised distribution and will not match the trainer's log_softmax(logits / T)"
@@ -100,33 +103,22 @@ class vLLMRollout(BaseRollout):
 
     @staticmethod
     def _engine_kwargs(
-        model_path: str, config: Mapping[str, Any], model_hf_config: Any, device_mesh: DeviceMesh | None
+        model_path: str, config: DictConfig, model_hf_config: Any, device_mesh: DeviceMesh | None
     ) -> dict[str, Any]:
         """`vllm.LLM` arguments from the rollout config; impossible combinations fail here, by key."""
-        tp = int(config.get("tensor_model_parallel_size", 1))
+        tp = int(config.tensor_model_parallel_size)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            if world % tp:
-                raise ValueError(
-                    f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world}; "
-                    "choose a divisor of the number of workers"
-                )
-            backend = "external_launcher"
-        elif tp > 1:
-            raise ValueError(
-                f"rollout.tensor_model_parallel_size={tp} needs a torch.distributed world of at least {tp} "
-                "ranks (one engine rank per worker); set it to 1 or start more workers"
-            )
-        else:
-            backend = None  # one plain in-process engine
+        check_tensor_parallel(tp, world)
+        # More than one rank: vLLM reuses the torch.distributed world; one: a plain in-process engine.
+        backend = "external_launcher" if world > 1 else None
         if device_mesh is not None and device_mesh["infer_tp"].size() != tp:
             raise ValueError(
                 f"the rollout device mesh has infer_tp={device_mesh['infer_tp'].size()} but "
                 f"rollout.tensor_model_parallel_size={tp}"
             )
 
-        prompt_length, response_length = int(config["prompt_length"]), int(config["response_length"])
-        max_model_len = int(config.get("max_model_len") or prompt_length + response_length)
+        prompt_length, response_length = int(config.prompt_length), int(config.response_length)
+        max_model_len = int(config.max_model_len or prompt_length + response_length)
         max_positions = getattr(model_hf_config, "max_position_embeddings", None)
         if max_positions is not None and max_model_len > max_positions and not _has_rope_scaling(model_hf_config):
             raise ValueError(
@@ -134,8 +126,8 @@ class vLLMRollout(BaseRollout):
                 f"response_length) but the model has max_position_embeddings={max_positions}; shorten "
                 "data.max_prompt_length / data.max_response_length"
             )
-        max_num_batched_tokens = int(config.get("max_num_batched_tokens", 8192))
-        enable_chunked_prefill = bool(config.get("enable_chunked_prefill", False))
+        max_num_batched_tokens = int(config.max_num_batched_tokens)
+        enable_chunked_prefill = bool(config.enable_chunked_prefill)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"rollout.max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: "
@@ -143,35 +135,35 @@ class vLLMRollout(BaseRollout):
                 "or set rollout.enable_chunked_prefill=True"
             )
 
-        load_format = str(config.get("load_format", "dummy"))
+        load_format = str(config.load_format)
         kwargs: dict[str, Any] = {
             "model": model_path,
             "tensor_parallel_size": tp,
             "distributed_executor_backend": backend,
-            "dtype": str(config.get("dtype", "bfloat16")),
-            "enforce_eager": _enforce_eager(config.get("enforce_eager")),
+            "dtype": str(config.dtype),
+            "enforce_eager": _enforce_eager(config.enforce_eager),
             "max_model_len": max_model_len,
             "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_seqs": int(config.get("max_num_seqs", 256)),
+            "max_num_seqs": int(config.max_num_seqs),
             "enable_chunked_prefill": enable_chunked_prefill,
-            "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
+            "enable_prefix_caching": bool(config.enable_prefix_caching),
             "load_format": "dummy" if load_format.startswith("dummy") else load_format,
-            "seed": int(config.get("seed", 0)),
+            "seed": int(config.seed),
             "disable_log_stats": True,
             # Sampler log-probs of the distribution tokens are drawn from, i.e. after temperature
             # (and top-k/top-p, if set), so they match the trainer's log_softmax(logits / T).
             "logprobs_mode": "processed_logprobs",
         }
-        kv_cache_bytes = config.get("kv_cache_memory_bytes")
+        kv_cache_bytes = config.kv_cache_memory_bytes
         if is_cuda():
-            kwargs["enable_sleep_mode"] = bool(config.get("free_cache_engine", True))
-            kwargs["gpu_memory_utilization"] = float(config.get("gpu_memory_utilization", 0.5))
+            kwargs["enable_sleep_mode"] = bool(config.free_cache_engine)
+            kwargs["gpu_memory_utilization"] = float(config.gpu_memory_utilization)
             if kv_cache_bytes:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES)
 
-        extra = _plain_dict((config.get("engine_kwargs") or {}).get("vllm"))
+        extra = _plain_dict(config.engine_kwargs.vllm)
         kwargs.update({k: v for k, v in extra.items() if v is not None})
         if not is_cuda() and kwargs.get("enable_sleep_mode"):
             raise ValueError("enable_sleep_mode is not supported by vLLM on CPU; remove it from engine_kwargs.vllm")

@@ -73,7 +73,7 @@ class FSDPVLLMShardingManager(BaseShardingManager):
         self.last_sync_s = 0.0
 
         training_rng = _get_rng_state()
-        seed = int(rollout.config.get("seed", 0)) + DP_SEED_STRIDE * dp_rank
+        seed = int(rollout.config.seed) + DP_SEED_STRIDE * dp_rank
         torch.manual_seed(seed)  # seeds the CUDA generators too
         self._generation_rng = _get_rng_state()
         _set_rng_state(training_rng)

@@ -1,0 +1,475 @@
+"""The one typed source of the configuration: every key's type and default, and every rule about them.
+
+`config/ppo_trainer.yaml` is the file users read and override (it keeps the comments); the dataclasses
+below mirror it key for key and default for default, which `tests/test_config_schema.py` checks in both
+directions. `main_ppo` composes the YAML with Hydra and then passes it through `validate_config` once, so
+a typo in a key or a value of the wrong type stops the run with a `ConfigError` naming the key, and every
+later reader may rely on every key being present (plain attribute access, no `.get(key, default)`).
+
+Keys whose default is another key (`${...}`) keep the interpolation here too. Free-form maps
+(`override_config`, `engine_kwargs.vllm`, `reward_kwargs`, ...) are dicts that accept any key.
+
+The second half holds the rules that more than one place applies (batch sizes against the number of
+ranks, tensor parallelism, the names the algorithms know): one function each, called by the trainer's
+preflight and by the workers alike.
+
+This module sits at the bottom of the house: it imports only `hflow.algorithms` and `hflow.utils`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from hflow.algorithms import core_algos
+from hflow.utils.errors import UserError
+
+__all__ = [
+    "ConfigError",
+    "PPOTrainerConfig",
+    "default_config",
+    "default_section",
+    "validate_config",
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
+    "ROLLOUT_NAMES",
+    "check_choice",
+    "check_positive",
+    "check_train_batch",
+    "check_mini_batch",
+    "per_rank_mini_batch",
+    "check_micro_batch",
+    "check_tensor_parallel",
+    "check_offload",
+]
+
+
+class ConfigError(UserError, ValueError):
+    """An impossible or invalid configuration; the message names the keys to change (main_ppo prints it
+    without a traceback)."""
+
+
+def ref(key: str) -> Any:
+    """A default that is the value of another key (an OmegaConf interpolation)."""
+    return "${" + key + "}"
+
+
+# ==================================================================================================
+# The schema (same order and names as config/ppo_trainer.yaml; comments there)
+# ==================================================================================================
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None  # a parquet file or a list of them; None = the built-in task
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 128
+    max_response_length: int = 64
+    train_batch_size: int = 32  # prompts per training step
+    val_batch_size: Optional[int] = None
+    truncation: str = "error"
+    filter_overlong_prompts: bool = True
+    return_raw_chat: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    dataloader_num_workers: int = 0
+    chat_template: Optional[str] = None
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+
+
+@dataclass
+class CheckpointConfig:
+    contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1  # negative = lr_warmup_steps_ratio x total steps
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: str = "constant"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    model_dtype: Optional[str] = None
+    mixed_precision: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (global)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one device
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RefFSDPConfig:
+    param_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+
+
+@dataclass
+class EngineKwargsConfig:
+    vllm: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM(...) arguments
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    ignore_eos: bool = False
+    prompt_length: int = ref("data.max_prompt_length")
+    response_length: int = ref("data.max_response_length")
+    dtype: Optional[str] = None  # None = bfloat16 on GPU, float32 on CPU (the worker decides)
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: Optional[int] = None
+    max_model_len: Optional[int] = None  # None = prompt_length + response_length
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enforce_eager: Optional[bool] = None
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = True
+    free_cache_engine: bool = True
+    load_format: str = "dummy"
+    seed: int = 0
+    calculate_log_probs: bool = True
+    micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
+    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = ref("actor_rollout_ref.model.path")
+    tokenizer_path: Optional[str] = ref("actor_rollout_ref.model.path")
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = ref("actor_rollout_ref.model.trust_remote_code")
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    lr: float = 1.0e-5
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = "fsdp2"
+    rollout_n: int = ref("actor_rollout_ref.rollout.n")
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: int = ref("actor_rollout_ref.actor.ppo_mini_batch_size")  # prompts (global)
+    ppo_micro_batch_size_per_gpu: int = ref("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    forward_micro_batch_size_per_gpu: int = ref("critic.ppo_micro_batch_size_per_gpu")
+    use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = ref("critic.ppo_max_token_len_per_gpu")
+    ppo_epochs: int = ref("actor_rollout_ref.actor.ppo_epochs")
+    shuffle: bool = ref("actor_rollout_ref.actor.shuffle")
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = ref("actor_rollout_ref.actor.loss_agg_mode")
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+
+
+@dataclass
+class RewardModelFSDPConfig:
+    param_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    input_tokenizer: Optional[str] = ref("actor_rollout_ref.model.path")
+    trust_remote_code: bool = False
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 16
+    max_length: Optional[int] = None
+    reward_manager: str = "naive"
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30
+    on_error: str = "raise"  # raise | zero
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_rollout_log_probs: bool = False
+    reuse_update_log_probs: bool = False
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hflow"
+    experiment_name: str = "default"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    backend: str = "ray"  # ray | local
+    nnodes: int = 1
+    n_gpus_per_node: int = 2
+    cpus_per_worker: int = 1
+    threads_per_worker: Optional[int] = None
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    critic_warmup: int = 0
+    test_freq: int = -1
+    val_before_train: bool = True
+    save_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: Optional[str] = None
+    max_actor_ckpt_to_keep: Optional[int] = None
+    max_critic_ckpt_to_keep: Optional[int] = None
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    log_dir: str = "logs/${trainer.project_name}/${trainer.experiment_name}"
+    rollout_data_dir: Optional[str] = None
+    validation_data_dir: Optional[str] = None
+    log_val_generations: int = 0
+    seed: int = 42
+
+
+@dataclass
+class RayInitConfig:
+    num_cpus: Optional[int] = None
+    address: Optional[str] = None
+
+
+@dataclass
+class PPOTrainerConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+def default_config() -> DictConfig:
+    """The whole configuration at its defaults: typed, every key present, unknown keys refused.
+    Code that builds a config by hand (tests, benchmarks) starts here and sets what it needs."""
+    return OmegaConf.structured(PPOTrainerConfig)
+
+
+def default_section(key: str, **overrides: Any) -> DictConfig:
+    """One section of `default_config()` (e.g. `"actor_rollout_ref.rollout"`) with `overrides` set (typed,
+    interpolations to other sections resolved against the defaults): what tests and benchmarks hand to a
+    component that takes one section."""
+    section = OmegaConf.select(default_config(), key)
+    for name, value in overrides.items():
+        OmegaConf.update(section, name, value, merge=True)
+    return section
+
+
+def validate_config(config: DictConfig | dict) -> DictConfig:
+    """`config` checked against the schema: a typed copy with every key, or a `ConfigError` naming the
+    first key that is unknown or holds a value of the wrong type. Interpolations stay unresolved."""
+    try:
+        return OmegaConf.merge(default_config(), config)
+    except ConfigKeyError as err:
+        parent, _, key = str(err.full_key).rpartition(".")
+        section = OmegaConf.select(default_config(), parent) if parent else default_config()
+        known = list(section.keys()) if isinstance(section, DictConfig) else []
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        raise ConfigError(f"{err.full_key} is not a configuration key; {hint}the keys of "
+                          f"{parent or 'the top level'} are: {', '.join(known)}") from None
+    except OmegaConfBaseException as err:
+        reason = str(err.msg).splitlines()[0] if err.msg else type(err).__name__
+        raise ConfigError(f"{err.full_key}: {reason}") from None
+
+
+# ==================================================================================================
+# Rules: each written once, applied by preflight (before Ray) and by the workers (with their real size)
+# ==================================================================================================
+
+WORLD_KEYS = "trainer.n_gpus_per_node x trainer.nnodes"
+LOSS_AGG_MODES = tuple(mode.value for mode in core_algos.LossAggMode)
+KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straight-through gradient)
+ROLLOUT_NAMES = ("vllm", "hf")
+
+
+def check_choice(value: Any, choices: Any, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def check_positive(value: Any, key: str) -> None:
+    if value is None or int(value) <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value}")
+
+
+def check_train_batch(batch_prompts: int, n: int, world_size: int) -> None:
+    """A training batch of `data.train_batch_size` prompts x `rollout.n` samples splits evenly over the ranks."""
+    if batch_prompts < 1:
+        raise ConfigError(f"data.train_batch_size must be >= 1, got {batch_prompts}")
+    if batch_prompts * n % world_size:
+        raise ConfigError(
+            f"data.train_batch_size ({batch_prompts}) x actor_rollout_ref.rollout.n ({n}) = {batch_prompts * n} "
+            f"sequences cannot be split evenly over {world_size} ranks ({WORLD_KEYS})")
+
+
+def check_mini_batch(mini_batch_prompts: int, batch_prompts: int, prefix: str) -> None:
+    """`<prefix>.ppo_mini_batch_size` prompts cut the training batch into whole mini-batches."""
+    if mini_batch_prompts > batch_prompts:
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size ({mini_batch_prompts}) is larger than data.train_batch_size "
+            f"({batch_prompts}); it counts prompts of one batch")
+    if batch_prompts % mini_batch_prompts:
+        raise ConfigError(
+            f"data.train_batch_size ({batch_prompts}) must be a multiple of {prefix}.ppo_mini_batch_size "
+            f"({mini_batch_prompts})")
+
+
+def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int, prefix: str, n_key: str) -> int:
+    """Sequences per rank in one optimizer step: ppo_mini_batch_size x n / ranks."""
+    if mini_batch_prompts is None or mini_batch_prompts <= 0:
+        raise ConfigError(f"{prefix}.ppo_mini_batch_size must be a positive number of prompts, got {mini_batch_prompts}")
+    sequences = mini_batch_prompts * n
+    if sequences % world_size:
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size ({mini_batch_prompts}) x {n_key} ({n}) = {sequences} sequences "
+            f"cannot be split evenly over {world_size} ranks ({WORLD_KEYS}); make it a multiple of {world_size}")
+    return sequences // world_size
+
+
+def check_micro_batch(per_rank_mini: int, micro: Any, prefix: str, key: str, use_dynamic_bsz: bool) -> None:
+    """Micro-batches of `<prefix>.<key>` sequences cut the per-rank mini-batch evenly (unless cut by tokens)."""
+    if use_dynamic_bsz:
+        return
+    if micro is None or int(micro) <= 0:
+        raise ConfigError(f"{prefix}.{key} must be a positive number of sequences (or set {prefix}.use_dynamic_bsz)")
+    if per_rank_mini % int(micro):
+        raise ConfigError(
+            f"{prefix}.{key} ({micro}) must divide the per-rank mini-batch of {per_rank_mini} sequences "
+            f"({prefix}.ppo_mini_batch_size x rollout.n / ranks); change one of them")
+
+
+def check_tensor_parallel(tp: int, world_size: int) -> None:
+    """vLLM tensor-parallel groups are consecutive ranks: their size must divide the number of ranks."""
+    if tp < 1 or world_size % tp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number of ranks "
+            f"({world_size}, {WORLD_KEYS})")
+
+
+def check_offload(fsdp_config: Any, prefix: str) -> None:
+    """`offload_policy` (FSDP2's CPUOffloadPolicy: shards, gradients and optimizer step stay on the host)
+    excludes the per-phase switches, which move the same state to the device and back around each call."""
+    if not fsdp_config.offload_policy:
+        return
+    clashing = [f"{prefix}.{key}" for key in ("param_offload", "optimizer_offload") if fsdp_config.get(key)]
+    if clashing:
+        raise ConfigError(
+            f"{prefix}.offload_policy=true cannot be combined with {' and '.join(clashing)}=true: the policy "
+            "already keeps that state on the host; set one of them to false")

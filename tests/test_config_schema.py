@@ -1,0 +1,88 @@
+"""One source per default: the YAML users read and the typed schema the code relies on say the same thing,
+key for key and value for value; and the schema is what catches typos and wrong types."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from hflow.config_schema import ConfigError, default_config, validate_config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+def leaves(tree, prefix=""):
+    """{dotted key: value} of every leaf; free-form maps that are empty count as leaves ({})."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def yaml_leaves(name: str) -> dict:
+    return leaves(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / name), resolve=False))
+
+
+def schema_leaves() -> dict:
+    return leaves(OmegaConf.to_container(default_config(), resolve=False))
+
+
+def test_yaml_and_schema_have_the_same_keys():
+    yaml_keys, schema_keys = set(yaml_leaves("ppo_trainer.yaml")), set(schema_leaves())
+    assert not yaml_keys - schema_keys, f"in ppo_trainer.yaml but not in the schema: {sorted(yaml_keys - schema_keys)}"
+    assert not schema_keys - yaml_keys, f"in the schema but not in ppo_trainer.yaml: {sorted(schema_keys - yaml_keys)}"
+
+
+def test_yaml_and_schema_have_the_same_defaults():
+    yaml, schema = yaml_leaves("ppo_trainer.yaml"), schema_leaves()
+    differ = {key: (yaml[key], schema[key]) for key in yaml.keys() & schema.keys() if yaml[key] != schema[key]}
+    assert not differ, "defaults that differ (yaml, schema): " + ", ".join(f"{k}={v}" for k, v in sorted(differ.items()))
+
+
+def test_every_yaml_value_has_the_schema_type():
+    validate_config(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"))
+
+
+def test_builtin_task_settings_name_schema_keys():
+    schema = schema_leaves()
+    unknown = sorted(set(yaml_leaves("builtin_task.yaml")) - set(schema))
+    assert not unknown, f"builtin_task.yaml names keys the schema does not have: {unknown}"
+    validate_config(OmegaConf.load(CONFIG_DIR / "builtin_task.yaml"))  # and values of the right type
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override,named", [
+    ("+data.train_batchsize=8", ["data.train_batchsize", "data.train_batch_size"]),
+    ("data.train_batch_size=abc", ["data.train_batch_size", "abc"]),
+    ("actor_rollout_ref.rollout.temperature=hot", ["actor_rollout_ref.rollout.temperature"]),
+    ("+trainer.nonsense=1", ["trainer.nonsense"]),
+])
+def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as err:
+        validate_config(composed(override))
+    for word in named:
+        assert word in str(err.value), f"{word!r} not in: {err.value}"
+
+
+def test_free_form_maps_take_new_keys_and_values_are_converted():
+    config = validate_config(composed("+custom_reward_function.reward_kwargs.scale=2",
+                                      "+actor_rollout_ref.model.override_config.attention_dropout=0.0",
+                                      "data.train_batch_size=8"))
+    assert config.custom_reward_function.reward_kwargs.scale == 2
+    assert config.actor_rollout_ref.model.override_config.attention_dropout == 0.0
+    assert config.data.train_batch_size == 8
+
+
+def test_interpolations_follow_the_keys_they_name():
+    config = validate_config(composed("actor_rollout_ref.rollout.n=4", "data.max_prompt_length=100"))
+    assert config.critic.rollout_n == 4
+    assert config.actor_rollout_ref.rollout.prompt_length == 100
+    assert config.critic.optim.lr == 1.0e-5  # the critic's own default, not the actor's

@@ -1,0 +1,180 @@
+"""`python -m hflow.trainer.main_ppo` as a user meets it: what the console shows, and how a run that the
+user's config, data or reward function cannot run ends (the message alone, as the last lines; no
+traceback; no Ray start for what can be checked before it).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hflow.utils.builtin_task import ensure_builtin_assets
+from tests.conftest import REPO_ROOT
+
+RAY_PROCESSES = ("raylet", "gcs_server")
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return ensure_builtin_assets()
+
+
+def main_ppo(cwd: Path, *args: str, timeout: float = 600, env: dict | None = None) -> tuple[int, str, set[str]]:
+    """Run the command line; returns (exit code, stdout + stderr, names of the Ray daemons it started)."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "hflow.trainer.main_ppo", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started, deadline = set(), time.monotonic() + timeout
+    try:
+        while proc.poll() is None:  # watch for Ray's daemons while the run lasts
+            assert time.monotonic() < deadline, "main_ppo did not finish in time"
+            try:
+                started |= {p.name() for p in psutil.Process(proc.pid).children(recursive=True)
+                            if p.name() in RAY_PROCESSES}
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, output, started
+
+
+def last_lines(output: str, n: int = 3) -> str:
+    return "\n".join([line for line in output.splitlines() if line.strip()][-n:])
+
+
+def assert_ends_with_the_message(code: int, output: str, *named: str) -> None:
+    assert code == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    tail = last_lines(output)
+    assert "hflow: error: " in tail, output[-3000:]
+    for text in named:
+        assert text in tail, (text, tail)
+
+
+def test_a_bad_configuration_fails_in_seconds_naming_the_key_without_starting_ray(builtin, tmp_path):
+    started = time.monotonic()
+    code, output, daemons = main_ppo(
+        tmp_path, f"data.train_files={builtin.train_file}", f"data.val_files={builtin.val_file}",
+        f"actor_rollout_ref.model.path={builtin.model_path}", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    assert time.monotonic() - started < 30, output  # the interpreter and imports are most of it
+    assert_ends_with_the_message(code, output, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    assert "Started a local Ray instance" not in output
+    assert not daemons
+
+
+# The four ways a new user's own files stop a run: (files to write, overrides, words the message must hold).
+def _no_prompt_column(root: Path, builtin) -> list[str]:
+    pq.write_table(pq.read_table(builtin.train_file).drop(["prompt"]), root / "train.parquet")
+    return [f"data.train_files={root / 'train.parquet'}"]
+
+
+def _unknown_data_source(root: Path, builtin) -> list[str]:
+    rows = pq.read_table(builtin.train_file).to_pylist()
+    for row in rows:
+        row["data_source"] = "my/task"
+    pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
+    return [f"data.train_files={root / 'train.parquet'}"]
+
+
+def _corrupt_parquet(root: Path, builtin) -> list[str]:
+    (root / "train.parquet").write_bytes(b"not a parquet file\n" * 20)
+    return [f"data.train_files={root / 'train.parquet'}"]
+
+
+@pytest.mark.parametrize("make,named", [
+    (_no_prompt_column, ["train.parquet", "'prompt'", "data.prompt_key"]),
+    (_unknown_data_source, ["train.parquet", "'my/task'", "custom_reward_function.path"]),
+    (_corrupt_parquet, ["data.train_files", "train.parquet", "not a readable parquet file"]),
+], ids=["no-prompt-column", "unknown-data-source", "corrupt-parquet"])
+def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path, make, named):
+    args = make(tmp_path, builtin)
+    code, output, daemons = main_ppo(
+        tmp_path, *args, f"data.val_files={builtin.val_file}", f"actor_rollout_ref.model.path={builtin.model_path}",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2")
+    assert_ends_with_the_message(code, output, *named)
+    assert not daemons  # data files are read before Ray starts
+
+
+def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return None\n")
+    # the built-in task and model; the first validation's first sample fails
+    code, output, _ = main_ppo(tmp_path, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}")
+    assert_ends_with_the_message(code, output, "my_reward.py", "sample 0", "returned None",
+                                 "custom_reward_function.on_error=zero")
+
+
+# --------------------------------------------------------------------------------------------- console
+
+# What differs between two prints of the same message: Ray's and vLLM's process prefixes, time stamps,
+# colour codes.
+_VARIABLE = [
+    re.compile(r"\x1b\[[0-9;]*m"),
+    re.compile(r"\((?:\w+ )?pid=\d+(?:, ip=[\d.]+)?\)"),
+    re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+"),
+    re.compile(r"\b\d\d-\d\d \d\d:\d\d:\d\d\b"),
+    re.compile(r"\[W\d{4} [\d:.]+ "),
+    re.compile(r"\[rank\d+\]:"),
+]
+_WARNING = re.compile(r"warn|error|deprecat", re.IGNORECASE)
+
+
+def _normalise(line: str) -> str:
+    for pattern in _VARIABLE:
+        line = pattern.sub("", line)
+    return line.strip()
+
+
+def test_a_short_builtin_run_prints_no_warning_twice(tmp_path):
+    # RAY_DEDUP_LOGS=0: Ray would otherwise fold repeats into "[repeated Nx across cluster]" lines
+    code, output, _ = main_ppo(tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
+                               env={"RAY_DEDUP_LOGS": "0"})
+    assert code == 0, output[-4000:]
+    warnings = Counter(_normalise(line) for line in output.splitlines() if _WARNING.search(line))
+    repeated = {line: count for line, count in warnings.items() if count > 1}
+    assert not repeated, "\n".join(f"{count}x {line}" for line, count in repeated.items())
+    assert "step:3" in output
+
+
+def test_the_library_filter_drops_only_listed_library_messages(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import logging, warnings\n"
+        "from hflow.utils.logging_utils import install_library_filter\n"
+        "logging.basicConfig(format='%(name)s: %(message)s')\n"
+        "install_library_filter()\n"
+        "logging.getLogger('vllm.model_executor.model_loader.reload.layerwise').warning("
+        "'%s: Failed to load weights', 'RotaryEmbedding')\n"
+        "logging.getLogger('vllm.model_executor.model_loader.reload.layerwise').warning("
+        "'%s: Failed to load weights', 'QKVParallelLinear')\n"
+        "logging.getLogger('vllm.v1.worker.cpu_worker').warning('libtcmalloc is not found in LD_PRELOAD.')\n"
+        "logging.getLogger('vllm.config.vllm').warning('max_num_seqs is larger than the batch')\n"
+        "logging.getLogger('hflow.trainer').warning('data.train_batch_size is small')\n"
+        "exec(compile(\"import warnings; warnings.warn('old API', FutureWarning)\", 'lib', 'exec'),"
+        " {'__name__': 'somelib.module'})\n"
+        "warnings.warn('your setting is deprecated', FutureWarning)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    env.pop("HFLOW_SHOW_LIBRARY_WARNINGS", None)
+    quiet = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True).stderr
+    assert "RotaryEmbedding" not in quiet and "libtcmalloc" not in quiet and "old API" not in quiet
+    for kept in ("QKVParallelLinear: Failed to load weights", "max_num_seqs is larger", "data.train_batch_size",
+                 "your setting is deprecated"):
+        assert kept in quiet, (kept, quiet)
+    loud = subprocess.run([sys.executable, str(script)], env={**env, "HFLOW_SHOW_LIBRARY_WARNINGS": "1"},
+                          capture_output=True, text=True, check=True).stderr
+    assert "RotaryEmbedding" in loud and "libtcmalloc" in loud and "old API" in loud
