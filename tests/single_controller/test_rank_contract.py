@@ -89,3 +89,59 @@ def test_the_cluster_not_the_driver_decides_gpu_workers(monkeypatch):
     assert not device.cluster_has_gpus({"CPU": 2})
     monkeypatch.setenv("HFLOW_DEVICE", "cpu")
     assert not device.cluster_has_gpus({"CPU": 128, "GPU": 8})
+
+
+GPU_NODE_SCRIPT = r'''
+import json, os, sys
+import ray
+from omegaconf import OmegaConf
+from hflow.single_controller.base import ClassWithInitArgs, Dispatch, Worker, register
+from hflow.trainer.ppo.ray_trainer import make_worker_group
+
+class Probe(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def report(self):
+        return {"rank": self.rank, "local_rank": int(os.environ["LOCAL_RANK"]),
+                "node_local_rank": int(os.environ["NODE_LOCAL_RANK"]),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "threads": os.environ.get("OMP_NUM_THREADS"), "gpu_ids": ray.get_gpu_ids()}
+
+# One node as Ray sees an 8-GPU machine with 32 cores (the GPUs are a declared resource here: the
+# actors' torch stays on the CPU, but Ray schedules and isolates them exactly as on real GPUs).
+ray.init(num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False,
+         runtime_env={"env_vars": {"PYTHONPATH": sys.argv[1]}})
+trainer = OmegaConf.create({"backend": "ray", "nnodes": 1, "n_gpus_per_node": 8, "cpus_per_worker": 1,
+                            "threads_per_worker": None})
+group = make_worker_group(trainer, ClassWithInitArgs(Probe))
+print(json.dumps(group.report()))
+group.shutdown()
+ray.shutdown()
+'''
+
+
+def test_on_an_eight_gpu_node_each_worker_sees_one_gpu_at_local_rank_zero(tmp_path):
+    """The trainer's worker group on a cluster that has 8 GPUs: one GPU bundle per worker, Ray narrows
+    CUDA_VISIBLE_DEVICES to that GPU, LOCAL_RANK indexes it (0), and each worker gets an even share of
+    the node's cores as torch threads (32 CPUs / 8 GPUs) while reserving one CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    script = tmp_path / "gpu_node.py"
+    script.write_text(GPU_NODE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "HFLOW_DEVICE": ""}
+    run = subprocess.run([sys.executable, str(script), REPO_ROOT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reports = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in reports] == list(range(8))
+    assert sorted(r["node_local_rank"] for r in reports) == list(range(8))
+    visible = [r["visible"].split(",") for r in reports]
+    assert all(len(ids) == 1 for ids in visible), visible  # one device per worker
+    assert sorted(ids[0] for ids in visible) == [str(i) for i in range(8)]  # all eight, none shared
+    for r in reports:
+        assert r["local_rank"] == 0 < len(r["visible"].split(","))  # vLLM: local_rank < device_count
+        assert r["threads"] == "4"

@@ -46,7 +46,7 @@ class RayResourcePool(ResourcePool):
             raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker}")
         self.cpus_per_worker = int(cpus_per_worker)
         self.threads_per_worker = threads_per_worker
-        self.use_gpu = device.cluster_has_gpus(ray.cluster_resources()) if use_gpu is None else use_gpu
+        self.use_gpu = device.cluster_has_gpus(_cluster_resources()) if use_gpu is None else use_gpu
         self.name_prefix = name_prefix
         self.detached = detached
         self.pgs: list[PlacementGroup] | None = None
@@ -79,7 +79,7 @@ class RayResourcePool(ResourcePool):
 
     def _check_cluster_can_fit(self) -> None:
         """Fail at once (rather than wait) when the cluster can never hold this pool."""
-        total = ray.cluster_resources()
+        total = _cluster_resources()
         for resource, per_bundle in self.bundle().items():
             needed = per_bundle * self.world_size
             if total.get(resource, 0) < needed:
@@ -94,6 +94,13 @@ class RayResourcePool(ResourcePool):
         for pg in self.pgs or []:
             ray.util.remove_placement_group(pg)
         self.pgs = None
+
+
+def _cluster_resources() -> dict[str, float]:
+    """Ray's view of the cluster; like Ray's task and actor APIs, start a local Ray when none runs."""
+    if not ray.is_initialized():
+        ray.init()
+    return ray.cluster_resources()
 
 
 def _summary(resources: dict[str, float]) -> str:
