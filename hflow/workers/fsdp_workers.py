@@ -297,6 +297,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         save_hf_model(self.actor_module, local_path, tokenizer=self.tokenizer)
         self._offload(self.actor_module, None, self._offload_param, False)
 
+    def close(self) -> None:
+        if getattr(self, "rollout", None) is not None:
+            self.rollout.close()
+
     def _require(self, present: bool, method: str, role: str) -> None:
         if not present:
             raise RuntimeError(f"{method}() needs the {role!r} role, but this worker has role {self.role!r}")

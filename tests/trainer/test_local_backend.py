@@ -63,3 +63,17 @@ def test_local_backend_needs_exactly_one_rank(tmp_path):
     )
     assert run.returncode != 0
     assert "trainer.backend=local runs one rank" in run.stderr and "trainer.n_gpus_per_node=1" in run.stderr
+
+
+def test_local_backend_with_the_vllm_engine_runs_and_exits_cleanly(tmp_path):
+    """The engine lives in the driver's process here: it must shut down before the process group it
+    hangs off (else vLLM's exit handler fails on destroyed subgroups and prints a traceback)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=grpo", "trainer.backend=local",
+         "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "Traceback" not in run.stdout + run.stderr, run.stderr[-4000:]
+    records = [json.loads(line) for line in open(tmp_path / "logs" / "hflow" / "default" / "metrics.jsonl")]
+    assert any("timing_s/weight_sync" in r for r in records)  # the vLLM engine generated (FSDP -> vLLM sync)

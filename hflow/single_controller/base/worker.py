@@ -120,6 +120,11 @@ class Worker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
 
+    def close(self) -> None:
+        """Release what this worker built that outlives it otherwise (an inference engine and its process
+        groups) while its process group still exists. The local backend calls it on shutdown; a Ray
+        worker's process simply ends."""
+
     # Plain (unregistered) helpers, callable through worker_group.execute_all_sync(name, ...).
     def seed_everything(self, seed: int) -> None:
         """Seed this process's Python, NumPy and torch RNGs (model init, mini-batch shuffling)."""

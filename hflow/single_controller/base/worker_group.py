@@ -284,6 +284,10 @@ def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> Cla
             super().__init__()
             self.worker_dict = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in roles.items()}
 
+        def close(self):
+            for worker in self.worker_dict.values():
+                worker.close()
+
     for role, (cls, _, _) in roles.items():
         for method_name, attrs in registered_methods(cls).items():
             is_async = inspect.iscoroutinefunction(getattr(cls, method_name))

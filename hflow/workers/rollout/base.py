@@ -46,6 +46,9 @@ class BaseRollout(ABC):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate responses for left-padded `input_ids`; see the module docstring for the output."""
 
+    def close(self) -> None:
+        """Release the engine (and any process groups it made) before the process group goes."""
+
 
 @dataclass(frozen=True)
 class SamplingSettings:

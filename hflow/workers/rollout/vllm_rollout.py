@@ -240,6 +240,11 @@ class vLLMRollout(BaseRollout):
         if self.sleep_enabled:
             self.llm.wake_up(tags=tags)
 
+    def close(self) -> None:
+        """Shut the in-process engine down now (once): its tensor-parallel groups are subgroups of the
+        worker's process group and cannot be destroyed after it, as vLLM would do at exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def _enforce_eager(value: Any) -> bool:
     """`rollout.enforce_eager`; null = eager on CPU (compiling costs ~20 s of start-up there for no
