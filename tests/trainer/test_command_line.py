@@ -31,8 +31,10 @@ def main_ppo(cwd: Path, *args: str, timeout: float = 600, env: dict | None = Non
     """Run the command line; returns (exit code, stdout + stderr, names of the Ray daemons it started)."""
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("HYDRA_FULL_ERROR", None)
+    # Output goes to a file, not a pipe: nobody reads a pipe while we poll, and a full one would block the run.
+    log = open(cwd / "main_ppo.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hflow.trainer.main_ppo", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     started, deadline = set(), time.monotonic() + timeout
     try:
         while proc.poll() is None:  # watch for Ray's daemons while the run lasts
@@ -43,10 +45,12 @@ def main_ppo(cwd: Path, *args: str, timeout: float = 600, env: dict | None = Non
             except psutil.Error:
                 pass
             time.sleep(0.05)
-        output = proc.stdout.read()
+        log.seek(0)
+        output = log.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+        log.close()
     return proc.returncode, output, started
 
 
