@@ -193,8 +193,11 @@ class WorkerGroup:
     def execute_rank_zero_sync(self, method_name: str, *args, **kwargs):
         return self.wait(method_name, self.execute_rank_zero_async(method_name, *args, **kwargs))
 
-    execute_all = property(lambda self: self.execute_all_async)
-    execute_rank_zero = property(lambda self: self.execute_rank_zero_async)
+    def execute_all(self, method_name: str, *args, **kwargs):
+        return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_rank_zero(self, method_name: str, *args, **kwargs):
+        return self.execute_rank_zero_async(method_name, *args, **kwargs)
 
     def spawn(self, prefix_set) -> dict[str, "WorkerGroup"]:
         """Per-role views of a colocated group: `spawn({"actor", "critic"})["critic"].update_critic(...)`.

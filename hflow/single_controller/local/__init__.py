@@ -56,8 +56,6 @@ class LocalWorkerGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         """Drop the worker and leave the process group it joined, so a later group can start afresh."""
-        import gc
-
         import torch.distributed as dist
 
         # The worker's engine and its process groups go first, while the default group they hang off
@@ -65,7 +63,6 @@ class LocalWorkerGroup(WorkerGroup):
         for worker in self._workers:
             worker.close()
         self._workers.clear()
-        gc.collect()
         self._loop.close()
         if dist.is_initialized():
             dist.destroy_process_group()
