@@ -319,6 +319,9 @@ class TrainerConfig:
     n_gpus_per_node: int = 2
     cpus_per_worker: int = 1
     threads_per_worker: Optional[int] = None
+    placement: str = "colocate"  # colocate | split
+    rollout_n_gpus: int = 1  # split: devices of the rollout pool
+    async_steps: int = 0  # 0 | 1 (split only)
     total_epochs: int = 1
     total_training_steps: Optional[int] = None
     critic_warmup: int = 0
@@ -453,6 +456,71 @@ def check_micro_batch(per_rank_mini: int, micro: Any, prefix: str, key: str, use
         raise ConfigError(
             f"{prefix}.{key} ({micro}) must divide the per-rank mini-batch of {per_rank_mini} sequences "
             f"({prefix}.ppo_mini_batch_size x rollout.n / ranks); change one of them")
+
+
+PLACEMENTS = ("colocate", "split")
+
+
+def placement_pools(nnodes: int, n_gpus_per_node: int, placement: str, rollout_n_gpus: int) -> tuple[list[int], list[int]]:
+    """Devices per node of the training pool and of the rollout pool (`[]` when colocated).
+
+    With `split` the rollout pool takes `rollout_n_gpus` devices from the last nodes, so the training
+    pool keeps whole nodes first (its FSDP collectives are the heaviest traffic).
+    """
+    nodes = [int(n_gpus_per_node)] * int(nnodes)
+    if placement == "colocate":
+        return nodes, []
+    total = sum(nodes)
+    if total < 2:
+        raise ConfigError(f"trainer.placement=split needs at least 2 devices, one to train and one to generate, "
+                          f"but {WORLD_KEYS} = {total}; use trainer.placement=colocate")
+    if not 1 <= rollout_n_gpus < total:
+        raise ConfigError(
+            f"trainer.placement=split gives trainer.rollout_n_gpus={rollout_n_gpus} of the {total} devices "
+            f"({WORLD_KEYS}) to generation; it must be between 1 and {total - 1}, so that training keeps at "
+            "least one (or use trainer.placement=colocate)")
+    rollout, left = [], rollout_n_gpus
+    for index in reversed(range(len(nodes))):
+        take = min(nodes[index], left)
+        if take:
+            rollout.insert(0, take)
+            nodes[index] -= take
+            left -= take
+    return [n for n in nodes if n], rollout
+
+
+def check_placement(trainer: Any, rollout_name: str, tp: int, batch_prompts: int, n: int) -> tuple[int, int]:
+    """`trainer.placement`, `.rollout_n_gpus` and `.async_steps`; returns (training ranks, rollout ranks)."""
+    check_choice(trainer.placement, PLACEMENTS, "trainer.placement")
+    if int(trainer.async_steps) not in (0, 1):
+        raise ConfigError(f"trainer.async_steps must be 0 or 1, got {trainer.async_steps}")
+    if int(trainer.async_steps) and trainer.placement != "split":
+        raise ConfigError("trainer.async_steps=1 generates the next batch while this one trains, which needs "
+                          "devices of its own for generation: set trainer.placement=split")
+    if trainer.placement == "split":
+        if trainer.backend != "ray":
+            raise ConfigError("trainer.placement=split runs two pools of worker processes: it needs trainer.backend=ray")
+        if rollout_name != "vllm":
+            raise ConfigError(f"trainer.placement=split runs standalone vLLM engines; actor_rollout_ref.rollout.name="
+                              f"{rollout_name!r} only works colocated (trainer.placement=colocate)")
+    train_nodes, rollout_nodes = placement_pools(int(trainer.nnodes), int(trainer.n_gpus_per_node),
+                                                 trainer.placement, int(trainer.rollout_n_gpus))
+    if trainer.placement == "colocate":
+        return sum(train_nodes), sum(train_nodes)
+    training, rollout = sum(train_nodes), sum(rollout_nodes)
+    if rollout % tp:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the rollout "
+                          f"pool's trainer.rollout_n_gpus ({rollout})")
+    if batch_prompts % (rollout // tp):
+        raise ConfigError(f"data.train_batch_size ({batch_prompts}) prompts cannot be split evenly over the "
+                          f"{rollout // tp} vLLM engines of the rollout pool (trainer.rollout_n_gpus / "
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size)")
+    if batch_prompts * n % training:
+        raise ConfigError(
+            f"data.train_batch_size ({batch_prompts}) x actor_rollout_ref.rollout.n ({n}) = {batch_prompts * n} "
+            f"sequences cannot be split evenly over the training pool's {training} ranks "
+            f"({WORLD_KEYS} - trainer.rollout_n_gpus with trainer.placement=split)")
+    return training, rollout
 
 
 def check_tensor_parallel(tp: int, world_size: int) -> None:

@@ -23,6 +23,7 @@ from hflow.config_schema import (
     check_choice,
     check_micro_batch,
     check_mini_batch,
+    check_placement,
     check_tensor_parallel,
     check_train_batch,
     per_rank_mini_batch,
@@ -107,8 +108,19 @@ def preflight_check(config: DictConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: set "
             f"actor_rollout_ref.rollout.n >= 2 (it is {n})")
 
-    # batch sizes (global prompts -> per-rank sequences)
+    # placement: which ranks train and which generate
     batch = int(data.train_batch_size)
+    tp = int(rollout.tensor_model_parallel_size)
+    world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
+    if int(trainer.async_steps) and algo.adv_estimator == "remax":
+        raise ConfigError("algorithm.adv_estimator=remax generates its greedy baseline beside the sampled batch, "
+                          "with the same weights; it does not work with trainer.async_steps=1")
+    if int(trainer.async_steps) and (algo.reuse_update_log_probs or algo.use_rollout_log_probs):
+        raise ConfigError(
+            "trainer.async_steps=1 trains on rollouts sampled one update earlier, so the old log-probs must be "
+            "recomputed by the actor: set algorithm.reuse_update_log_probs=false and algorithm.use_rollout_log_probs=false")
+
+    # batch sizes (global prompts -> per-rank sequences)
     check_train_batch(batch, n, world)
     check_mini_batch(actor.ppo_mini_batch_size, batch, "actor_rollout_ref.actor")
     per_rank = per_rank_mini_batch(actor.ppo_mini_batch_size, n, world, "actor_rollout_ref.actor",
@@ -121,7 +133,7 @@ def preflight_check(config: DictConfig) -> None:
         per_rank = per_rank_mini_batch(critic.ppo_mini_batch_size, n, world, "critic", "critic.rollout_n")
         check_micro_batch(per_rank, critic.ppo_micro_batch_size_per_gpu, "critic", "ppo_micro_batch_size_per_gpu",
                           critic.use_dynamic_bsz)
-    check_tensor_parallel(int(rollout.tensor_model_parallel_size), world)
+    check_tensor_parallel(tp, rollout_world)
 
     # lengths against the model's context
     model_config = json.loads((Path(str(arr.model.path)).expanduser() / "config.json").read_text())

@@ -473,16 +473,27 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """
     reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
     compute_device = device.get_device()
-    for name, param in model.named_parameters():
+    for name, tensor in _named_weights(model):
         # Shards kept on the host (CPUOffloadPolicy) are gathered on the device, not by a host collective.
-        full = param.to(compute_device).full_tensor() if isinstance(param, DTensor) else param
-        yield clean_param_name(name), full.detach()
+        full = tensor.to(compute_device).full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach()
+
+
+def full_param_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(HF name, full shape, dtype) of what `iter_full_params` yields, in its order, without gathering."""
+    return [(name, tensor.shape, tensor.dtype) for name, tensor in _named_weights(model)]
+
+
+def _named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (sharded or not; tied ones once) and persistent buffers under their HF names."""
+    for name, param in model.named_parameters():
+        yield clean_param_name(name), param
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer_name in module._non_persistent_buffers_set:
                 continue
             name = f"{module_name}.{buffer_name}" if module_name else buffer_name
-            yield clean_param_name(name), buffer.detach()
+            yield clean_param_name(name), buffer
 
 
 # --------------------------------------------------------------------------------------------------

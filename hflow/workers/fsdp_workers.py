@@ -25,6 +25,7 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
+from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -36,6 +37,26 @@ def _load_tokenizer(path: str, trust_remote_code: bool = False):
     if tokenizer.pad_token_id is None:  # many chat models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def generate_with(rollout, context, prompts: DataProto, generation_config, tokenizer) -> DataProto:
+    """`rollout.generate_sequences` inside the generation `context` (a sharding manager: weights, RNG,
+    tensor-parallel data layout), with the model's stop and pad ids and the phase's timings."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    prompts.meta_info.setdefault("eos_token_id", eos if eos is not None else tokenizer.eos_token_id)
+    prompts.meta_info.setdefault("pad_token_id", tokenizer.pad_token_id)
+    started = time.perf_counter()
+    with context:
+        sync_s = getattr(context, "last_sync_s", 0.0)
+        prompts = context.preprocess_data(prompts)
+        output = rollout.generate_sequences(prompts)
+        output = context.postprocess_data(output)
+    output.meta_info["metrics"] = {
+        "timing_s/weight_sync": sync_s,
+        "timing_s/generate_worker": time.perf_counter() - started - sync_s,
+    }
+    device.empty_cache()
+    return output.to("cpu")
 
 
 def _memory_metrics() -> dict[str, float]:
@@ -195,29 +216,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
 
     # ------------------------------------------------------------------ data methods
 
-    def _eos_pad_ids(self) -> tuple[int | list[int], int]:
-        eos = getattr(self.generation_config, "eos_token_id", None)
-        return (eos if eos is not None else self.tokenizer.eos_token_id), self.tokenizer.pad_token_id
-
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses with the actor's current weights (synced into the engine on entry)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
-        eos, pad = self._eos_pad_ids()
-        prompts.meta_info.setdefault("eos_token_id", eos)
-        prompts.meta_info.setdefault("pad_token_id", pad)
-        started = time.perf_counter()
-        with self.sharding_manager:
-            sync_s = getattr(self.sharding_manager, "last_sync_s", 0.0)
-            prompts = self.sharding_manager.preprocess_data(prompts)
-            output = self.rollout.generate_sequences(prompts)
-            output = self.sharding_manager.postprocess_data(output)
-        output.meta_info["metrics"] = {
-            "timing_s/weight_sync": sync_s,
-            "timing_s/generate_worker": time.perf_counter() - started - sync_s,
-        }
-        device.empty_cache()
-        return output.to("cpu")
+        return generate_with(self.rollout, self.sharding_manager, prompts, self.generation_config, self.tokenizer)
 
     def _log_prob_meta(self, data: DataProto, section: DictConfig) -> None:
         data.meta_info.update(
@@ -271,6 +274,35 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         metrics.update(_memory_metrics())
         self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         return DataProto(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ weight stream (placement=split)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def weight_manifest(self) -> WeightManifest:
+        """The tensors each update streams to the rollout pool, in order, in the rollout's dtype."""
+        from hflow.utils.fsdp_utils import full_param_shapes
+
+        self._require(self._is_actor, "weight_manifest", "actor")
+        dtype = self.config.rollout.dtype or str(device.compute_dtype()).removeprefix("torch.")
+        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, dtype))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_weight_group(self, master_addr: str, master_port: str, world_size: int) -> None:
+        """Rank 0 joins the stream to the rollout pool as its sender; the other ranks only take part in
+        the all-gathers that assemble each full tensor."""
+        self._weight_group = WeightGroup(master_addr, master_port, rank=0, world_size=world_size) if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self, manifest: WeightManifest) -> dict[str, float]:
+        """Stream the actor's current weights to the rollout pool (every rank gathers, rank 0 sends)."""
+        from hflow.utils.fsdp_utils import iter_full_params
+
+        self._require(self._is_actor, "send_weights", "actor")
+        started = time.perf_counter()
+        self._onload(self.actor_module, None, self._offload_param, False)
+        sent = send_weights(getattr(self, "_weight_group", None), manifest, iter_full_params(self.actor_module))
+        self._offload(self.actor_module, None, self._offload_param, False)
+        return {"seconds": time.perf_counter() - started, "bytes": float(sent)}
 
     # ------------------------------------------------------------------ checkpoints
 

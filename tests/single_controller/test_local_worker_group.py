@@ -47,6 +47,8 @@ def test_non_blocking_call_hands_its_result_to_another_group(local_group):
     wg = local_group(ClassWithInitArgs(ComputeWorker))
     result = wg.double_async(_data(3))  # async worker method, blocking=False: already computed here
     assert isinstance(result, DataProto) and result.batch["a"].tolist() == [0, 2, 4]
+    submitted = wg.double_async.submit(_data(3))  # any method, either backend: a call to collect later
+    assert submitted.result().batch["a"].tolist() == [0, 2, 4]
 
 
 def test_colocated_roles_and_spawn(local_group):

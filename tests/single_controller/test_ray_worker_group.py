@@ -78,6 +78,13 @@ class ComputeWorker(Worker):
                 "master": self.get_master_addr_port(), "pid": os.getpid()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def nap(self, seconds):
+        """When this rank started and ended a sleep (wall clock)."""
+        started = time.time()
+        time.sleep(seconds)
+        return started, time.time()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def threads(self):
         return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
 
@@ -245,6 +252,23 @@ def test_non_blocking_future_passed_into_another_group(wg, critic_wg, n):
     doubled = [2 * i + (i // chunk) for i in range(n)]
     assert out.batch["a"].tolist() == [3 * v for v in doubled]
     assert future.get().batch["a"].tolist() == doubled  # the future itself comes back unpadded
+
+
+def test_submitted_calls_on_two_groups_run_at_the_same_time(wg, groups):
+    """`method.submit(...)` returns at once; calls on groups of other processes overlap (as generation on
+    the rollout pool overlaps training with trainer.async_steps=1); `result()` collects as a blocking call."""
+    other = groups(RayClassWithInitArgs(ComputeWorker))
+    other.nap(0)  # started and warm
+    started = time.monotonic()
+    first, second = wg.nap.submit(1.0), other.nap.submit(1.0)
+    assert time.monotonic() - started < 0.5
+    intervals = first.result() + second.result()
+    assert len(intervals) == 2 * WORLD
+    assert max(start for start, _ in intervals) < min(end for _, end in intervals)  # all four naps overlapped
+    assert first.result() is first.result()  # collected once
+    assert wg.add_rank.submit(1).result() == [2, 3]  # the same collect as the blocking call
+    with pytest.raises(WorkerGroupError, match="boom from rank one"):
+        other.fail_on_rank_one.submit().result()
 
 
 def test_gloo_all_reduce_across_ranks(wg):

@@ -44,15 +44,15 @@ def test_builtin_settings_never_replace_what_the_user_gave():
     assert config.data.train_files is not None and config.actor_rollout_ref.model.path is not None
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-def test_builtin_settings_fit_one_node_of_any_usual_size(devices):
-    """`trainer.n_gpus_per_node=8` with nothing else must pass preflight: the built-in micro-batch divides
-    every rank's share of a step."""
+@pytest.mark.parametrize("nodes,devices", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)])
+def test_builtin_settings_fit_one_node_of_any_usual_size(nodes, devices):
+    """`trainer.n_gpus_per_node=8` (on one or two nodes) with nothing else must pass preflight: the
+    built-in micro-batch divides every rank's share of a step."""
     from hflow.config_schema import validate_config
     from hflow.trainer.main_ppo import fill_builtin_defaults
     from hflow.trainer.preflight import preflight_check
 
-    overrides = [f"trainer.n_gpus_per_node={devices}", f"ray_init.num_cpus={devices}"]
+    overrides = [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={devices}", f"ray_init.num_cpus={devices}"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = validate_config(compose(config_name="ppo_trainer", overrides=overrides))
     fill_builtin_defaults(config, frozenset(o.split("=")[0] for o in overrides))

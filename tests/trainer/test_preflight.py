@@ -74,6 +74,19 @@ INVALID = [
     (["algorithm.reuse_update_log_probs=true", "actor_rollout_ref.actor.ppo_epochs=2"],
      ["algorithm.reuse_update_log_probs", "ppo_epochs"]),
     (["trainer.cpus_per_worker=3", "ray_init.num_cpus=4"], ["trainer.cpus_per_worker=3", "6 CPUs", "ray_init.num_cpus"]),
+    # placement: no device left for training, TP not dividing the rollout pool, async without its own devices
+    (["trainer.placement=split", "trainer.rollout_n_gpus=2"], ["trainer.rollout_n_gpus=2", "between 1 and 1"]),
+    (["trainer.placement=split", "trainer.n_gpus_per_node=4", "trainer.rollout_n_gpus=3",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], ["tensor_model_parallel_size", "rollout_n_gpus (3)"]),
+    (["trainer.placement=split", "trainer.n_gpus_per_node=4", "trainer.rollout_n_gpus=1"],
+     ["training pool's 3 ranks", "trainer.rollout_n_gpus"]),
+    (["trainer.placement=spread"], ["trainer.placement", "colocate"]),
+    (["trainer.async_steps=1"], ["trainer.async_steps=1", "trainer.placement=split"]),
+    (["trainer.async_steps=2", "trainer.placement=split"], ["trainer.async_steps"]),
+    (["trainer.placement=split", "trainer.async_steps=1", "algorithm.reuse_update_log_probs=true",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=8"], ["trainer.async_steps=1", "algorithm.reuse_update_log_probs"]),
+    (["trainer.placement=split", "actor_rollout_ref.rollout.name=hf"], ["trainer.placement=split", "rollout.name"]),
+    (["trainer.placement=split", "trainer.backend=local", "trainer.n_gpus_per_node=1"], ["trainer.backend"]),
 ]
 
 
@@ -94,3 +107,16 @@ def test_unknown_data_source_fails_naming_it_unless_a_custom_function_is_set(fil
         preflight_check(config)
     preflight_check(make_config(files, f"data.val_files={files / 'custom.parquet'}",
                                 f"custom_reward_function.path={files / 'reward.py'}"))
+
+
+def test_split_placement_passes_and_divides_the_nodes(files):
+    from hflow.config_schema import placement_pools
+
+    preflight_check(make_config(files, "trainer.placement=split", "trainer.rollout_n_gpus=1"))
+    preflight_check(make_config(files, "trainer.placement=split", "trainer.async_steps=1"))
+    # the rollout pool takes its devices from the last nodes; training keeps whole nodes first
+    assert placement_pools(1, 8, "colocate", 3) == ([8], [])
+    assert placement_pools(1, 8, "split", 4) == ([4], [4])
+    assert placement_pools(2, 8, "split", 4) == ([8, 4], [4])
+    assert placement_pools(2, 8, "split", 10) == ([6], [2, 8])
+    assert placement_pools(2, 1, "split", 1) == ([1], [1])

@@ -143,6 +143,10 @@ class Worker:
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
 
+    def path_exists(self, path: str) -> bool:
+        """Whether this worker's node sees `path` (the trainer checks that checkpoint folders are shared)."""
+        return os.path.exists(path)
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
     def execute_with_func_generator(self, func, *args, **kwargs):
         """Run a driver-supplied function on every rank with that rank's chunk of the data."""

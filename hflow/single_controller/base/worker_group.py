@@ -143,8 +143,35 @@ def _make_group_method(worker_group: "WorkerGroup", method_name: str, dispatch_f
         outputs = worker_group.wait(method_name, pending) if blocking else pending
         return collect_fn(worker_group, outputs)
 
+    def submit(*args, **kwargs) -> "GroupCall":
+        """Start the call and return at once; `.result()` waits and collects (see `GroupCall`)."""
+        args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
+        return GroupCall(worker_group, method_name, execute_fn(method_name, *args, **kwargs), collect_fn)
+
     group_method.__name__ = method_name
+    group_method.submit = submit
     return group_method
+
+
+class GroupCall:
+    """A group call in flight: `wg.update_critic.submit(batch)` returns one, whatever the method's
+    `blocking` flag. The driver goes on (for example, to call another group whose workers sit on other
+    devices) and asks for the result when it needs it; `result()` raises what the workers raised.
+
+    On Ray each rank runs the calls it receives in order, so a call submitted to workers that are still
+    busy starts when they finish. The local backend runs the call at submission; `result()` only collects.
+    """
+
+    def __init__(self, worker_group: "WorkerGroup", method_name: str, pending: Any, collect_fn: Callable):
+        self._worker_group, self._method_name = worker_group, method_name
+        self._pending, self._collect_fn = pending, collect_fn
+        self._done, self._value = False, None
+
+    def result(self) -> Any:
+        if not self._done:
+            outputs = self._worker_group.wait(self._method_name, self._pending)
+            self._value, self._done = self._collect_fn(self._worker_group, outputs), True
+        return self._value
 
 
 class WorkerGroup:

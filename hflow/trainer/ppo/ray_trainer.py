@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from hflow.single_controller.base import ClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
+from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
+from hflow.config_schema import ConfigError, placement_pools
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -37,6 +39,30 @@ from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
 
 LATEST_MARKER = "latest_checkpointed_iteration.txt"
+
+
+def pop_generation_inputs(batch: DataProto) -> DataProto:
+    """Move what generation reads (prompt ids, masks, positions, raw prompts) out of `batch`."""
+    return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
+                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt") if k in batch.non_tensor_batch])
+
+
+@dataclass
+class PendingRollout:
+    """A batch of prompts whose responses are being (or have been) generated.
+
+    `version` is the policy version (actor updates so far) whose weights sample them; `loader_state`
+    is the data loader's position before this batch was drawn (a checkpoint saved while the batch is
+    in flight resumes by drawing it again).
+    """
+
+    batch: DataProto
+    gen_batch: DataProto
+    call: GroupCall
+    version: int
+    loader_state: dict
+    stream_metrics: dict[str, float] = field(default_factory=dict)
+    output: DataProto | None = None
 
 
 class Role(Enum):
@@ -87,9 +113,19 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
     batch.batch["returns"] = returns
 
 
-def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs) -> WorkerGroup:
-    """The workers of `trainer.backend`: Ray actors, one per device of every node (`ray`), or one rank
-    in this process (`local`: no Ray needed, debuggers and plain stack traces work)."""
+def describe_rollout_pool(ranks: list[dict[str, int]]) -> str:
+    """One line on what the rollout pool's engines really run (from each rank's `engine_info`)."""
+    tp = ranks[0]["tensor_parallel_size"]
+    rows = ", ".join(str(r["embedding_rows"]) for r in ranks)
+    return (f"rollout pool: {len(ranks)} ranks = {len(ranks) // tp} vLLM engine(s) x tensor_parallel_size {tp}; "
+            f"embedding rows held per rank: {rows} (vocabulary {ranks[0]['vocab_size']})")
+
+
+def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs,
+                      process_on_nodes: list[int] | None = None, name: str = "global_pool") -> WorkerGroup:
+    """The workers of `trainer.backend`: Ray actors, one per device of `process_on_nodes` (by default
+    every device of every node) (`ray`), or one rank in this process (`local`: no Ray needed, debuggers
+    and plain stack traces work)."""
     if trainer_cfg.backend == "local":
         from hflow.single_controller.local import LocalWorkerGroup
 
@@ -106,7 +142,7 @@ def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs)
         # A GPU worker reserves one Ray CPU but its host-side work (data, tokenisation, optimizer
         # offload) wants more threads than one: share the node's cores among its workers.
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // nodes // per_node))
-    pool = RayResourcePool([per_node] * nodes, use_gpu=use_gpu, name_prefix="global_pool",
+    pool = RayResourcePool(process_on_nodes or [per_node] * nodes, use_gpu=use_gpu, name_prefix=name,
                            cpus_per_worker=int(trainer_cfg.cpus_per_worker),
                            threads_per_worker=None if threads is None else int(threads))
     return RayWorkerGroup(pool, cls_with_init)
@@ -135,6 +171,10 @@ class RayPPOTrainer:
         for section in (actor.optim, config.critic.optim):
             section.total_training_steps = self.total_training_steps
         self.global_steps = 0
+        self.policy_version = 0  # actor updates so far
+        self.engine_version = -1  # the version the rollout pool's engines hold (split placement)
+        self.async_steps = int(trainer_cfg.async_steps)
+        self._pending: PendingRollout | None = None
 
     def _total_training_steps(self) -> int:
         if self.config.trainer.total_training_steps:
@@ -144,33 +184,80 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ workers
 
     def init_workers(self) -> None:
-        """One pool, one process per device, every role colocated in it; the actor's engine is built last."""
+        """The training pool: one process per device, every training role colocated in it. With
+        `trainer.placement=split`, also the rollout pool of standalone vLLM engines, joined to the actor
+        by the weight stream; otherwise the actor's own engine generates (built last, in its process)."""
         from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
+        trainer_cfg = self.config.trainer
+        train_nodes, rollout_nodes = placement_pools(int(trainer_cfg.nnodes), int(trainer_cfg.n_gpus_per_node),
+                                                     trainer_cfg.placement, int(trainer_cfg.rollout_n_gpus))
+        arr = self.config.actor_rollout_ref
         roles = {Role.ActorRollout.value: ClassWithInitArgs(
-            ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="actor_rollout")}
+            ActorRolloutRefWorker, config=arr, role="actor" if rollout_nodes else "actor_rollout")}
         if self.use_critic:
             roles[Role.Critic.value] = ClassWithInitArgs(CriticWorker, config=self.config.critic)
         if self.use_reference_policy:
-            roles[Role.RefPolicy.value] = ClassWithInitArgs(
-                ActorRolloutRefWorker, config=self.config.actor_rollout_ref, role="ref")
+            roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.use_rm:
             roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
-        self.worker_group = make_worker_group(self.config.trainer, create_colocated_worker_cls(roles))
+        self.worker_group = make_worker_group(trainer_cfg, create_colocated_worker_cls(roles), train_nodes,
+                                              name="train_pool")
         groups = self.worker_group.spawn(roles.keys())
         self.critic_wg = groups.get(Role.Critic.value)
         self.ref_policy_wg = groups.get(Role.RefPolicy.value)
         self.rm_wg = groups.get(Role.RewardModel.value)
         self.actor_rollout_wg = groups[Role.ActorRollout.value]
-        self.worker_group.execute_all_sync("seed_everything", int(self.config.trainer.seed))
+        self.worker_group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
+        rollout_init = None
+        if rollout_nodes:
+            from hflow.workers.rollout_worker import RolloutWorker
+
+            self.rollout_group = make_worker_group(trainer_cfg, ClassWithInitArgs(RolloutWorker, config=arr),
+                                                   rollout_nodes, name="rollout_pool")
+            self.rollout_wg = self.rollout_group
+            self.rollout_group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
+            rollout_init = self.rollout_wg.init_model.submit()  # the engines start while the models load
+        else:
+            self.rollout_wg = self.actor_rollout_wg
         for wg in (self.critic_wg, self.ref_policy_wg, self.rm_wg, self.actor_rollout_wg):
             if wg is not None:
                 wg.init_model()
+        if rollout_init is not None:
+            rollout_init.result()
+            self._connect_weight_stream()
+            print(describe_rollout_pool(self.rollout_wg.execute_all_sync("engine_info")))
+
+    def _connect_weight_stream(self) -> None:
+        """A process group over the actor's rank 0 and every rollout rank (see hflow.workers.weight_sync)."""
+        addr, port = self.actor_rollout_wg.execute_rank_zero_sync("pick_rendezvous_address")
+        world = 1 + self.rollout_wg.world_size
+        joins = [self.actor_rollout_wg.join_weight_group.submit(addr, port, world),
+                 self.rollout_wg.join_weight_group.submit(addr, port, world)]
+        for join in joins:
+            join.result()
+        self._weight_manifest = self.actor_rollout_wg.weight_manifest()
+
+    def _push_weights(self) -> dict[str, float]:
+        """Stream the actor's weights to the rollout pool unless the engines already have this version
+        (split placement only; colocated engines are synced by the worker on every generation)."""
+        if self.rollout_wg is self.actor_rollout_wg or self.engine_version == self.policy_version:
+            return {}
+        started = time.perf_counter()
+        send = self.actor_rollout_wg.send_weights.submit(self._weight_manifest)
+        receive = self.rollout_wg.receive_weights.submit(self._weight_manifest, self.policy_version)
+        sent = send.result()[0]
+        receive.result()
+        self.engine_version = self.policy_version
+        return {"timing_s/weight_stream": time.perf_counter() - started,
+                "perf/weight_stream_gb": sent["bytes"] / 1e9}
 
     def shutdown(self) -> None:
-        if getattr(self, "worker_group", None) is not None:
-            self.worker_group.shutdown()
-            self.worker_group = None
+        for name in ("rollout_group", "worker_group"):
+            group = getattr(self, name, None)
+            if group is not None:
+                group.shutdown()
+                setattr(self, name, None)
 
     # ------------------------------------------------------------------ the algorithm
 
@@ -179,6 +266,7 @@ class RayPPOTrainer:
         trainer_cfg = self.config.trainer
         self.tracker = Tracking(trainer_cfg.project_name, trainer_cfg.experiment_name, trainer_cfg.logger,
                                 trainer_cfg.log_dir, OmegaConf.to_container(self.config, resolve=True))
+        self._check_checkpoint_dir()
         self._load_checkpoint()
         val_metrics = {}
         if self.val_reward_fn is not None and trainer_cfg.val_before_train and self.global_steps == 0:
@@ -186,10 +274,14 @@ class RayPPOTrainer:
             self.tracker.log(val_metrics, step=0)
         progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training")
         while self.global_steps < self.total_training_steps:
-            batch_dict = next(self._batches)
             self.global_steps += 1
             is_last_step = self.global_steps >= self.total_training_steps
-            metrics, timing = self.train_step(DataProto.from_single_dict(batch_dict))
+            timing: dict[str, float] = {}
+            with timer("step", timing):
+                rollout, rollout_metrics = self._next_rollout(timing)
+                metrics = self.train_step(rollout, timing)
+            metrics.update(rollout_metrics)
+            metrics.update(self._step_summary(rollout.batch, timing))
             if self.val_reward_fn is not None and (
                     is_last_step or (trainer_cfg.test_freq > 0 and self.global_steps % trainer_cfg.test_freq == 0)):
                 with timer("testing", timing):
@@ -207,93 +299,126 @@ class RayPPOTrainer:
         self.tracker.close()
         return val_metrics
 
-    def train_step(self, batch: DataProto) -> tuple[dict[str, float], dict[str, float]]:
-        """One PPO/GRPO iteration on a batch of prompts: the seven steps below, in the order of the algorithm."""
+    # ------------------------------------------------------------------ generation
+
+    def _start_rollout(self) -> PendingRollout:
+        """Draw the next batch of prompts and start generating for it with the actor's latest weights."""
+        loader_state = self.train_dataloader.state_dict()  # a checkpoint taken meanwhile re-draws this batch
+        batch = DataProto.from_single_dict(next(self._batches))
+        gen_batch = pop_generation_inputs(batch)
+        stream_metrics = self._push_weights()
+        return PendingRollout(batch, gen_batch, self.rollout_wg.generate_sequences.submit(gen_batch),
+                              self.policy_version, loader_state, stream_metrics)
+
+    def _next_rollout(self, timing: dict[str, float]) -> tuple[PendingRollout, dict[str, float]]:
+        """This step's prompts and their sampled responses (`rollout.output`).
+
+        With `trainer.async_steps=0` they are generated now, with the current weights. With 1 they are
+        the ones generated while the previous step trained (weights one update old), and generation of
+        the next step's batch starts before this one trains, on the rollout pool's own devices.
+        """
+        if self._pending is None:
+            self._pending = self._start_rollout()
+        rollout, self._pending = self._pending, None
+        with timer("gen", timing):  # with async_steps=1: only the part of generation training did not hide
+            rollout.output = rollout.call.result()
+        metrics = dict(rollout.stream_metrics)
+        if self.async_steps and self.global_steps < self.total_training_steps:
+            self._pending = self._start_rollout()
+            metrics.update(self._pending.stream_metrics)
+        metrics.update(reduce_metrics(rollout.output.meta_info.pop("metrics", {})))
+        # policy versions between the weights that sampled these responses and the ones being updated
+        metrics["training/staleness"] = self.policy_version - rollout.version
+        return rollout, metrics
+
+    # ------------------------------------------------------------------ the algorithm
+
+    def train_step(self, rollout: PendingRollout, timing: dict[str, float]) -> dict[str, float]:
+        """One PPO/GRPO iteration on a batch of prompts and their sampled responses: the steps below, in
+        the order of the algorithm (step 1, generation, is `_next_rollout`)."""
         algo = self.config.algorithm
         n = self.config.actor_rollout_ref.rollout.n
+        batch, gen_output = rollout.batch, rollout.output
         metrics: dict[str, float] = {}
-        timing: dict[str, float] = {}
-        with timer("step", timing):
-            gen_batch = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                                  non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt")
-                                                         if k in batch.non_tensor_batch])
-            # 1. generate n responses per prompt with the current policy
-            with timer("gen", timing):
-                gen_output = self.actor_rollout_wg.generate_sequences(gen_batch)
-            metrics.update(reduce_metrics(gen_output.meta_info.pop("metrics", {})))
-            if algo.adv_estimator == core_algos.AdvantageEstimator.REMAX:
-                with timer("gen_max", timing):
-                    batch.batch["reward_baselines"] = self._greedy_baseline(batch, gen_batch)
+        if algo.adv_estimator == core_algos.AdvantageEstimator.REMAX:
+            with timer("gen_max", timing):
+                batch.batch["reward_baselines"] = self._greedy_baseline(batch, rollout.gen_batch)
 
-            # 2. one group id per prompt, then align prompts with their n samples
-            batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-            batch = batch.repeat(n, interleave=True).union(gen_output)
-            batch.batch["response_mask"] = compute_response_mask(batch)
-            batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+        # 2. one group id per prompt, then align prompts with their n samples
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch = batch.repeat(n, interleave=True).union(gen_output)
+        batch.batch["response_mask"] = compute_response_mask(batch)
+        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
 
-            # 3. reward
-            with timer("reward", timing):
-                if self.use_rm:
-                    batch = batch.union(self.rm_wg.compute_rm_score(batch))
-                reward = self.reward_fn(batch, return_dict=True)
-                batch.batch["token_level_scores"] = reward["reward_tensor"]
-            metrics.update(reward.get("reward_metrics", {}))
-            metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
+        # 3. reward
+        with timer("reward", timing):
+            if self.use_rm:
+                batch = batch.union(self.rm_wg.compute_rm_score(batch))
+            reward = self.reward_fn(batch, return_dict=True)
+            batch.batch["token_level_scores"] = reward["reward_tensor"]
+        metrics.update(reward.get("reward_metrics", {}))
+        metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
 
-            # 4. log-probs of the sampled responses under the policy that generated them
-            if algo.use_rollout_log_probs:  # the sampler already computed them
-                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            elif algo.reuse_update_log_probs:
-                pass  # on-policy update: its forward pass runs the sampling weights and detaches them
+        # 4. old log-probs: the sampled responses under the policy before this update (with
+        #    trainer.async_steps=1 that is the actor now, one update newer than the sampler)
+        if algo.use_rollout_log_probs:  # the sampler already computed them
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        elif algo.reuse_update_log_probs:
+            pass  # on-policy update: its forward pass runs the sampling weights and detaches them
+        else:
+            with timer("old_log_prob", timing):
+                old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
+            entropys = old_log_prob.batch.pop("entropys")
+            metrics["actor/entropy"] = core_algos.agg_loss(
+                entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
+            batch = batch.union(old_log_prob)
+            if "rollout_log_probs" in batch.batch:
+                metrics.update(_rollout_vs_training_metrics(batch))
+
+        # 5. reference log-probs and values
+        if self.use_reference_policy:
+            with timer("ref", timing):
+                batch = batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with timer("values", timing):
+                batch = batch.union(self.critic_wg.compute_values(batch))
+
+        # 6. rewards (optionally KL-penalised) and advantages, on the driver
+        with timer("adv", timing):
+            if algo.use_kl_in_reward:
+                metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty))
             else:
-                with timer("old_log_prob", timing):
-                    old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
-                entropys = old_log_prob.batch.pop("entropys")
-                metrics["actor/entropy"] = core_algos.agg_loss(
-                    entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
-                batch = batch.union(old_log_prob)
-                if "rollout_log_probs" in batch.batch:
-                    metrics.update(_rollout_vs_training_metrics(batch))
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            compute_advantage(batch, algo)
 
-            # 5. reference log-probs and values
-            if self.use_reference_policy:
-                with timer("ref", timing):
-                    batch = batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
-            if self.use_critic:
-                with timer("values", timing):
-                    batch = batch.union(self.critic_wg.compute_values(batch))
+        # 7. update the critic, then (after the warm-up) the actor
+        if self.use_critic:
+            with timer("update_critic", timing):
+                critic_output = self.critic_wg.update_critic(batch)
+            metrics.update(reduce_metrics(critic_output.meta_info["metrics"]))
+        if self.config.trainer.critic_warmup <= self.global_steps - 1:
+            with timer("update_actor", timing):
+                actor_output = self.actor_rollout_wg.update_actor(batch)
+            self.policy_version += 1
+            metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
-            # 6. rewards (optionally KL-penalised) and advantages, on the driver
-            with timer("adv", timing):
-                if algo.use_kl_in_reward:
-                    metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty))
-                else:
-                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-                compute_advantage(batch, algo)
+        if self.config.trainer.rollout_data_dir:
+            self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
+        rollout.batch = batch  # with every column the step added, for the step's summary metrics
+        return metrics
 
-            # 7. update the critic, then (after the warm-up) the actor
-            if self.use_critic:
-                with timer("update_critic", timing):
-                    critic_output = self.critic_wg.update_critic(batch)
-                metrics.update(reduce_metrics(critic_output.meta_info["metrics"]))
-            if self.config.trainer.critic_warmup <= self.global_steps - 1:
-                with timer("update_actor", timing):
-                    actor_output = self.actor_rollout_wg.update_actor(batch)
-                metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
-
-            if self.config.trainer.rollout_data_dir:
-                self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
-        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic,
-                                            max_prompt_length=self.config.data.max_prompt_length))
+    def _step_summary(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+        metrics = compute_data_metrics(batch, use_critic=self.use_critic,
+                                       max_prompt_length=self.config.data.max_prompt_length)
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, n_gpus=self.n_workers))
-        return metrics, timing
+        return metrics
 
     def _greedy_baseline(self, batch: DataProto, gen_batch: DataProto) -> torch.Tensor:
         """ReMax: the reward of the greedy response is each prompt's baseline."""
         greedy_batch = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
                                  meta_info={**gen_batch.meta_info, "do_sample": False})
-        greedy = self.actor_rollout_wg.generate_sequences(greedy_batch)
+        greedy = self.rollout_wg.generate_sequences(greedy_batch)
         scored = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch)).union(greedy)
         return self.reward_fn(scored, return_dict=True)["reward_tensor"].sum(-1)
 
@@ -303,14 +428,13 @@ class RayPPOTrainer:
         val_kwargs = self.config.actor_rollout_ref.rollout.val_kwargs
         data_sources, inputs, outputs, scores = [], [], [], []
         extra_infos: dict[str, list] = {}
+        self._push_weights()  # validate the current policy (split placement: the engines may be one update behind)
         for batch_dict in self._val_batches():
             batch = DataProto.from_single_dict(batch_dict).repeat(val_kwargs.n, interleave=True)
-            gen_batch = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                                  non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt")
-                                                         if k in batch.non_tensor_batch])
+            gen_batch = pop_generation_inputs(batch)
             gen_batch.meta_info.update(do_sample=val_kwargs.do_sample, validate=True)
-            padded, pad_size = pad_dataproto_to_divisor(gen_batch, self.actor_rollout_wg.world_size)
-            output = unpad_dataproto(self.actor_rollout_wg.generate_sequences(padded), pad_size)
+            padded, pad_size = pad_dataproto_to_divisor(gen_batch, self.rollout_wg.world_size)
+            output = unpad_dataproto(self.rollout_wg.generate_sequences(padded), pad_size)
             output.meta_info.pop("metrics", None)
             batch = batch.union(output)
             result = self.val_reward_fn(batch, return_dict=True)
@@ -346,7 +470,28 @@ class RayPPOTrainer:
 
     @property
     def checkpoint_root(self) -> Path:
-        return Path(self.config.trainer.default_local_dir)
+        # Absolute: every worker writes its own shards there, whatever its working directory.
+        return Path(self.config.trainer.default_local_dir).expanduser().resolve()
+
+    def _check_checkpoint_dir(self) -> None:
+        """Every rank writes its shards under trainer.default_local_dir and rank 0 reads them all on
+        resume, so all nodes must see one directory: fail now, not at the first save, when they do not."""
+        trainer_cfg = self.config.trainer
+        if trainer_cfg.save_freq <= 0 and trainer_cfg.resume_mode == "disable":
+            return
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        probe = self.checkpoint_root / f".hflow_shared_dir_probe_{uuid.uuid4().hex}"
+        probe.write_text("written by the trainer's driver")
+        try:
+            seen = self.worker_group.execute_all_sync("path_exists", str(probe))
+        finally:
+            probe.unlink(missing_ok=True)
+        blind = [name for name, ok in zip(self.worker_group.worker_names, seen) if not ok]
+        if blind:
+            raise ConfigError(
+                f"trainer.default_local_dir={self.checkpoint_root} is not shared with every node: workers "
+                f"{', '.join(blind)} cannot see a file the driver wrote there. Point it at a file system all nodes "
+                "mount (NFS, a shared volume) at the same path.")
 
     def _save_checkpoint(self) -> None:
         """global_step_N/{actor,critic,data}; the `latest` marker is written last, so it names a complete step."""
@@ -355,9 +500,12 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
         (step_dir / "data").mkdir(parents=True, exist_ok=True)
-        torch.save({"dataloader": self.train_dataloader.state_dict(),
-                    "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)},
-                   step_dir / "data" / "state.pt")
+        # A batch already drawn for the next step (trainer.async_steps=1) is drawn again on resume.
+        loader_state = self._pending.loader_state if self._pending else self.train_dataloader.state_dict()
+        state = {"dataloader": loader_state, "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
+        if self.rollout_wg is not self.actor_rollout_wg:
+            state["rollout_generation"] = self.rollout_wg.generation_state()
+        torch.save(state, step_dir / "data" / "state.pt")
         marker = self.checkpoint_root / LATEST_MARKER
         tmp_marker = marker.with_suffix(".tmp")
         tmp_marker.write_text(str(self.global_steps))
@@ -396,6 +544,10 @@ class RayPPOTrainer:
             self.train_dataloader.load_state_dict(state["dataloader"])
             if self.kl_ctrl_in_reward is not None and state.get("kl_ctrl") is not None:
                 self.kl_ctrl_in_reward.value = state["kl_ctrl"]
+            generation = state.get("rollout_generation")
+            if self.rollout_wg is not self.actor_rollout_wg and generation and len(generation) == self.rollout_wg.world_size:
+                self.rollout_wg.load_generation_state(generation)
+            self.policy_version = max(0, self.global_steps - int(self.config.trainer.critic_warmup))
         self._batches = self._epoch_batches()
 
     # ------------------------------------------------------------------ dumps

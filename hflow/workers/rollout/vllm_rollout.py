@@ -224,6 +224,13 @@ class vLLMRollout(BaseRollout):
             self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
 
+    def parallel_layout(self) -> dict[str, int]:
+        """What this rank's engine really runs: its tensor-parallel size, and how many rows of the input
+        embedding it holds (the padded vocabulary divided by the TP size when the weights are sharded)."""
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
+        return {"tensor_parallel_size": int(parallel.tensor_parallel_size),
+                "embedding_rows": int(self.llm.collective_rpc(_embedding_rows)[0])}
+
     def sleep(self, level: int = 2) -> None:
         """Release the engine's weights and KV cache; a no-op on CPU.
 
@@ -276,6 +283,11 @@ def _retie_lm_head(worker: Any) -> None:
         )
     head.weight = embed.weight
     head.quant_method.process_weights_after_loading(head)
+
+
+def _embedding_rows(worker: Any) -> int:
+    """Rows of the input embedding on one engine worker (runs inside the engine)."""
+    return int(worker.model_runner.get_model().model.embed_tokens.weight.shape[0])
 
 
 def _has_rope_scaling(hf_config: Any) -> bool:

@@ -33,66 +33,51 @@ from hflow.workers.sharding_manager.base import BaseShardingManager
 if TYPE_CHECKING:
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
 
-__all__ = ["FSDPVLLMShardingManager"]
+__all__ = ["FSDPVLLMShardingManager", "VLLMGenerationContext"]
 
 # Generation seeds of data-parallel ranks are this far apart, so `rollout.seed` values that differ
 # by less than this never give two ranks the same stream.
 DP_SEED_STRIDE = 1000
 
 
-class FSDPVLLMShardingManager(BaseShardingManager):
-    """Generation mode for a fused actor/rollout worker: FSDP2 `module` -> `rollout`'s vLLM engine.
+class VLLMGenerationContext(BaseShardingManager):
+    """Generation mode for a worker that owns a vLLM engine: its own RNG stream and the data layout of
+    tensor parallelism. The engine's weights arrive some other way (`FSDPVLLMShardingManager` syncs
+    them on entry; a standalone rollout worker receives them over the weight stream).
 
     `device_mesh` is the rollout mesh with dims `("dp", "infer_tp")`; without it the whole world is
     data-parallel with TP=1. Generation draws from its own torch RNG stream, seeded with
     `rollout.seed + 1000 * dp_rank` (ranks of one TP group must sample identically; DP replicas
-    must not), while the training RNG is saved on `__enter__` and restored on `__exit__`, so
-    training randomness does not depend on how many tokens were sampled. `offload_param` means the
-    FSDP shards live in host memory between steps: they visit the GPU only for the gather (on CPU
-    they are in host memory anyway). `last_sync_s` is the wall time of the latest weight sync.
+    must not), while the caller's RNG is saved on `__enter__` and restored on `__exit__`, so
+    training randomness does not depend on how many tokens were sampled. `last_sync_s` is the wall
+    time of the latest weight sync made on entry.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        rollout: vLLMRollout,
-        device_mesh: DeviceMesh | None = None,
-        offload_param: bool = False,
-    ) -> None:
-        self.module = module
+    def __init__(self, rollout: vLLMRollout, device_mesh: DeviceMesh | None = None) -> None:
         self.rollout = rollout
         self.device_mesh = device_mesh
-        self.offload_param = offload_param
         if device_mesh is not None:
             self.tp_size = device_mesh["infer_tp"].size()
             self.tp_rank = device_mesh["infer_tp"].get_local_rank()
-            dp_rank = device_mesh["dp"].get_local_rank()
+            self.dp_rank = device_mesh["dp"].get_local_rank()
         else:
             self.tp_size, self.tp_rank = 1, 0
-            dp_rank = dist.get_rank() if dist.is_initialized() else 0
+            self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         self.last_sync_s = 0.0
 
-        training_rng = _get_rng_state()
-        seed = int(rollout.config.seed) + DP_SEED_STRIDE * dp_rank
-        torch.manual_seed(seed)  # seeds the CUDA generators too
+        caller_rng = _get_rng_state()
+        torch.manual_seed(int(rollout.config.seed) + DP_SEED_STRIDE * self.dp_rank)  # the CUDA generators too
         self._generation_rng = _get_rng_state()
-        _set_rng_state(training_rng)
+        _set_rng_state(caller_rng)
         self._training_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def __enter__(self) -> FSDPVLLMShardingManager:
-        started = time.perf_counter()
-        if self.offload_param:
-            load_fsdp_model_to_device(self.module)
-        self.rollout.wake_up(tags=["weights"])
-        # HF names, one full tensor at a time; every rank consumes them in the same order, since each
-        # gather is a collective.
-        self.rollout.update_weights(iter_full_params(self.module))
-        if self.offload_param:
-            offload_fsdp_model_to_cpu(self.module, empty_cache=False)
-        empty_cache()
-        self.rollout.wake_up(tags=["kv_cache"])
-        self.last_sync_s = time.perf_counter() - started
+    def _sync_weights(self) -> None:
+        """Bring the engine's weights up to date (nothing here: they are delivered separately)."""
 
+    def __enter__(self) -> VLLMGenerationContext:
+        started = time.perf_counter()
+        self._sync_weights()
+        self.last_sync_s = time.perf_counter() - started
         self._training_rng = _get_rng_state()
         _set_rng_state(self._generation_rng)
         return self
@@ -104,12 +89,12 @@ class FSDPVLLMShardingManager(BaseShardingManager):
         traceback: TracebackType | None,
     ) -> None:
         if self._training_rng is None:
-            raise RuntimeError("FSDPVLLMShardingManager.__exit__ without a matching __enter__")
+            raise RuntimeError(f"{type(self).__name__}.__exit__ without a matching __enter__")
         self._generation_rng = _get_rng_state()
         _set_rng_state(self._training_rng)
         self._training_rng = None
-        # Level 2: drop the engine's weights rather than copy them to host memory; the next __enter__
-        # syncs every parameter again.
+        # Level 2: drop the engine's weights rather than copy them to host memory; the next sync
+        # overwrites every parameter anyway. A no-op for engines without sleep mode.
         self.rollout.sleep(level=2)
         empty_cache()
 
@@ -131,6 +116,37 @@ class FSDPVLLMShardingManager(BaseShardingManager):
         if self.tp_size > 1:
             return data.chunk(self.tp_size)[self.tp_rank]
         return data
+
+
+class FSDPVLLMShardingManager(VLLMGenerationContext):
+    """Generation mode for a fused actor/rollout worker: FSDP2 `module` -> `rollout`'s vLLM engine on
+    every entry (see the module docstring), plus what `VLLMGenerationContext` does. `offload_param`
+    means the FSDP shards live in host memory between steps: they visit the GPU only for the gather
+    (on CPU they are in host memory anyway).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rollout: vLLMRollout,
+        device_mesh: DeviceMesh | None = None,
+        offload_param: bool = False,
+    ) -> None:
+        super().__init__(rollout, device_mesh)
+        self.module = module
+        self.offload_param = offload_param
+
+    def _sync_weights(self) -> None:
+        if self.offload_param:
+            load_fsdp_model_to_device(self.module)
+        self.rollout.wake_up(tags=["weights"])
+        # HF names, one full tensor at a time; every rank consumes them in the same order, since each
+        # gather is a collective.
+        self.rollout.update_weights(iter_full_params(self.module))
+        if self.offload_param:
+            offload_fsdp_model_to_cpu(self.module, empty_cache=False)
+        empty_cache()
+        self.rollout.wake_up(tags=["kv_cache"])
 
 
 def _get_rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,32 @@
+"""The 8-device shape of one GPU node, on 8 CPU worker processes: the built-in task learns with nothing but
+`trainer.n_gpus_per_node=8` changed, colocated and split, with vLLM tensor parallelism 2.
+
+Tensor parallelism is checked on what the engines really hold: each rank of a TP-2 engine keeps half of the
+(padded) embedding rows, not a full copy, and its log-probs still match the trainer's in fp32.
+"""
+
+import re
+
+import pytest
+
+from tests.trainer.test_placement import _learned, run_builtin
+
+EIGHT = ("trainer.n_gpus_per_node=8", "ray_init.num_cpus=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+         "trainer.total_training_steps=4", "trainer.test_freq=4")
+
+
+@pytest.mark.parametrize("placement", [
+    ["trainer.placement=colocate"],
+    ["trainer.placement=split", "trainer.rollout_n_gpus=4"],  # 4 training ranks, 2 engines x TP 2
+], ids=["colocate", "split"])
+def test_eight_workers_learn_with_tensor_parallel_engines(ray_session, tmp_path, monkeypatch, capsys, placement):
+    records = run_builtin(tmp_path, monkeypatch, *EIGHT, *placement)
+    _learned(records)
+    for step in (r for r in records if "actor/pg_loss" in r):
+        assert step["training/rollout_log_probs_diff_max"] < 1e-4, step
+    if "trainer.placement=split" in placement:
+        line = re.search(r"rollout pool: .*", capsys.readouterr().out).group(0)
+        assert "4 ranks = 2 vLLM engine(s) x tensor_parallel_size 2" in line, line
+        rows = [int(r) for r in re.search(r"held per rank: ([\d, ]+)", line).group(1).split(",")]
+        vocabulary = int(re.search(r"vocabulary (\d+)", line).group(1))
+        assert len(rows) == 4 and all(r < vocabulary for r in rows), line  # sharded, not 2 copies

@@ -1,0 +1,89 @@
+"""The weight stream between the pools (`trainer.placement=split`): a gloo group of its own, outside the
+default process group, carrying each tensor of the manifest in order, in the rollout's dtype."""
+
+import threading
+
+import pytest
+import torch
+
+from hflow.single_controller.base.worker import get_free_port
+from hflow.workers.weight_sync import StreamedWeights, WeightGroup, manifest_of, send_weights
+
+WEIGHTS = {
+    "model.embed_tokens.weight": torch.randn(16, 8),
+    "model.layers.0.mlp.up_proj.weight": torch.randn(32, 8),
+    "model.norm.weight": torch.rand(8),
+    "model.step": torch.tensor([7], dtype=torch.int64),  # non-float tensors keep their dtype
+}
+
+
+def _run_group(receivers: int, wire_dtype: torch.dtype, sender_items, consume_all: bool = True):
+    """One sender thread and `receivers` receiver threads; returns what each receiver got."""
+    manifest = manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], wire_dtype)
+    port, world = get_free_port(), 1 + receivers
+    received, errors = [None] * receivers, []
+
+    def sender():
+        try:
+            group = WeightGroup("127.0.0.1", port, rank=0, world_size=world, timeout_s=30)
+            send_weights(group, manifest, sender_items)
+        except Exception as err:  # noqa: BLE001 - surfaced below
+            errors.append(err)
+
+    def receiver(index):
+        try:
+            group = WeightGroup("127.0.0.1", port, rank=1 + index, world_size=world, timeout_s=30)
+            stream = StreamedWeights(group, manifest)
+            got = {}
+            for name, tensor in stream:
+                got[name] = tensor.clone()
+                if not consume_all:
+                    break  # a loader that stops early: drain keeps the group in step
+            assert stream.drain() == (0 if consume_all else len(WEIGHTS) - 1)
+            received[index] = got
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=sender)] + [threading.Thread(target=receiver, args=(i,)) for i in range(receivers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return manifest, received, errors
+
+
+def test_every_receiver_gets_every_tensor_exactly_in_the_rollout_dtype():
+    manifest, received, errors = _run_group(2, torch.float32, list(WEIGHTS.items()))
+    assert not errors, errors
+    assert [name for name, _, _ in manifest.entries] == list(WEIGHTS)
+    for got in received:
+        assert list(got) == list(WEIGHTS)
+        for name, tensor in WEIGHTS.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_floating_tensors_travel_in_bf16_for_a_bf16_engine():
+    manifest, received, errors = _run_group(1, torch.bfloat16, list(WEIGHTS.items()))
+    assert not errors, errors
+    got = received[0]
+    assert got["model.norm.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["model.norm.weight"], WEIGHTS["model.norm.weight"].to(torch.bfloat16))
+    assert got["model.step"].dtype == torch.int64 and torch.equal(got["model.step"], WEIGHTS["model.step"])
+
+
+def test_a_receiver_that_stops_early_drains_the_rest():
+    _, received, errors = _run_group(1, torch.float32, list(WEIGHTS.items()), consume_all=False)
+    assert not errors, errors
+    assert list(received[0]) == ["model.embed_tokens.weight"]
+
+
+def test_a_model_out_of_step_with_its_manifest_is_an_error_not_a_hang():
+    manifest = manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], torch.float32)
+    swapped = list(WEIGHTS.items())
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    with pytest.raises(RuntimeError, match="out of step with its manifest"):
+        send_weights(None, manifest, swapped)  # a non-sender rank checks the order too
+    with pytest.raises(RuntimeError, match="fewer tensors"):
+        send_weights(None, manifest, list(WEIGHTS.items())[:2])
+    with pytest.raises(ValueError, match="at least one receiver"):
+        WeightGroup("127.0.0.1", get_free_port(), rank=0, world_size=1)
