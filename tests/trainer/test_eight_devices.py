@@ -19,8 +19,8 @@ EIGHT = ("trainer.n_gpus_per_node=8", "ray_init.num_cpus=8", "actor_rollout_ref.
     ["trainer.placement=colocate"],
     ["trainer.placement=split", "trainer.rollout_n_gpus=4"],  # 4 training ranks, 2 engines x TP 2
 ], ids=["colocate", "split"])
-def test_eight_workers_learn_with_tensor_parallel_engines(ray_session, tmp_path, monkeypatch, capsys, placement):
-    records = run_builtin(tmp_path, monkeypatch, *EIGHT, *placement)
+def test_eight_workers_learn_with_tensor_parallel_engines(ray_session, tmp_path, capsys, placement):
+    records = run_builtin(tmp_path, *EIGHT, *placement)
     _learned(records)
     for step in (r for r in records if "actor/pg_loss" in r):
         assert step["training/rollout_log_probs_diff_max"] < 1e-4, step

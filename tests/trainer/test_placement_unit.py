@@ -56,3 +56,39 @@ def test_checkpoint_dir_is_not_probed_when_the_run_neither_saves_nor_resumes(tmp
     trainer = _trainer(tmp_path / "ckpt", {"train_pool_0:0": False}, save_freq=-1, resume_mode="disable")
     trainer._check_checkpoint_dir()
     assert trainer.worker_group.asked == []
+
+
+class _Recorder:
+    """A worker-group view that records checkpoint calls."""
+
+    def __init__(self):
+        self.saved: list[str] = []
+
+    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
+        self.saved.append(path)
+
+
+class _Loader:
+    def state_dict(self) -> dict:
+        return {"epoch": 0, "position": 3}  # already past the batch drawn for the next step
+
+
+def test_a_checkpoint_taken_with_a_rollout_in_flight_resumes_by_drawing_that_batch_again(tmp_path):
+    import torch
+
+    from hflow.trainer.ppo.ray_trainer import PendingRollout
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None}})
+    trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward = 2, False, None
+    trainer.actor_rollout_wg = trainer.rollout_wg = _Recorder()
+    trainer.train_dataloader = _Loader()
+    trainer._pending = PendingRollout(batch=None, gen_batch=None, call=None, version=1,
+                                      loader_state={"epoch": 0, "position": 2})
+    trainer._save_checkpoint()
+    state = torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)
+    assert state["dataloader"] == {"epoch": 0, "position": 2}
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
+    trainer._pending = None  # nothing in flight: the loader's own position
+    trainer._save_checkpoint()
+    assert torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)["dataloader"]["position"] == 3

