@@ -66,6 +66,10 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
         check_micro_batch(actor.ppo_mini_batch_size_per_rank, actor.ppo_micro_batch_size_per_gpu, f"{prefix}.actor",
                           "ppo_micro_batch_size_per_gpu", actor.use_dynamic_bsz)
         check_positive(actor.ppo_epochs, f"{prefix}.actor.ppo_epochs")
+    if cfg.rollout.dtype is None:  # the engine's dtype, and the weight stream's: the device's compute dtype
+        from hflow.utils.device import compute_dtype
+
+        cfg.rollout.dtype = str(compute_dtype()).removeprefix("torch.")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
         check_tensor_parallel(int(cfg.rollout.tensor_model_parallel_size), world_size)
         check_choice(cfg.rollout.name, ROLLOUT_NAMES, f"{prefix}.rollout.name")

@@ -190,8 +190,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         from torch.distributed.device_mesh import init_device_mesh
 
         rollout_cfg = self.config.rollout
-        if rollout_cfg.dtype is None:
-            rollout_cfg.dtype = str(device.compute_dtype()).removeprefix("torch.")
         tp = int(rollout_cfg.tensor_model_parallel_size)
         rollout_mesh = init_device_mesh(device.device_name(), (self.world_size // tp, tp),
                                         mesh_dim_names=("dp", "infer_tp"))
@@ -283,8 +281,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         from hflow.utils.fsdp_utils import full_param_shapes
 
         self._require(self._is_actor, "weight_manifest", "actor")
-        dtype = self.config.rollout.dtype or str(device.compute_dtype()).removeprefix("torch.")
-        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, dtype))
+        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_weight_group(self, master_addr: str, master_port: str, world_size: int) -> None:

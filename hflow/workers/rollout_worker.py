@@ -44,8 +44,6 @@ class RolloutWorker(Worker):
         model_cfg, rollout_cfg = self.config.model, self.config.rollout
         # The engine owns its device for the whole run: nothing to hand back between generations.
         rollout_cfg.free_cache_engine = False
-        if rollout_cfg.dtype is None:
-            rollout_cfg.dtype = str(device.compute_dtype()).removeprefix("torch.")
         self.init_distributed()
         self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)

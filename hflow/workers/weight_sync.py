@@ -36,16 +36,6 @@ class WeightManifest:
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
 
-    @property
-    def numel(self) -> int:
-        total = 0
-        for _, shape, _ in self.entries:
-            count = 1
-            for size in shape:
-                count *= size
-            total += count
-        return total
-
 
 class WeightGroup:
     """A process group over the sender and the rollout ranks; `rank` 0 is the sender."""
