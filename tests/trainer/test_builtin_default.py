@@ -15,7 +15,9 @@ from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
 VAL_KEY = "val-core/hflow/arithmetic/reward/mean@1"
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+# GRPO, the README's command. (GAE on the built-in task is the same run with a critic; test_e2e checks that the
+# critic learns, and examples/rlhf_pipeline runs PPO with a critic to a measured gain.)
+@pytest.mark.parametrize("estimator", ["grpo"])
 def test_builtin_default_learns(ray_session, tmp_path, monkeypatch, estimator):
     monkeypatch.chdir(tmp_path)  # logs/ and checkpoints/ go to the working directory, as for a user
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
