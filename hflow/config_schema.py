@@ -31,6 +31,9 @@ from hflow.utils.errors import UserError
 __all__ = [
     "ConfigError",
     "PPOTrainerConfig",
+    "RMTrainerConfig",
+    "SCHEMAS",
+    "SFTTrainerConfig",
     "default_config",
     "default_section",
     "validate_config",
@@ -80,6 +83,8 @@ class DataConfig:
     seed: int = 1
     dataloader_num_workers: int = 0
     chat_template: Optional[str] = None
+    ptx_files: Any = None  # PPO-ptx pre-training text: a parquet file or a list of them
+    ptx_text_key: str = "text"
 
 
 @dataclass
@@ -126,6 +131,23 @@ class FSDPConfig:
 
 
 @dataclass
+class PtxConfig:
+    coef: float = 0.0  # PPO-ptx weight of the pre-training LM loss; 0 = off
+    files: Any = ref("data.ptx_files")
+    text_key: str = ref("data.ptx_text_key")
+    batch_size_per_gpu: int = 8  # texts each rank adds to every optimizer step
+    micro_batch_size_per_gpu: int = 8  # texts per forward/backward
+    max_length: int = 512  # tokens per text
+    seed: int = ref("data.seed")
+
+
+@dataclass
+class EMAConfig:
+    enable: bool = False  # an EMA of the actor's weights, checkpointed and exported
+    decay: float = 0.992
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (global)
@@ -145,6 +167,8 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    ptx: PtxConfig = field(default_factory=PtxConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -228,6 +252,7 @@ class CriticModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = ref("actor_rollout_ref.model.trust_remote_code")
+    value_head_init: str = "zero"  # zero | normal; unused when path is a reward model's folder
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -271,12 +296,19 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardNormalizeConfig:
+    enable: bool = False  # gain and bias fitted before training: reward-model scores get mean 0, std 1
+    num_prompts: int = 64  # training prompts sampled (one response each) to fit them
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size_per_gpu: int = 16
     max_length: Optional[int] = None
     reward_manager: str = "naive"
+    normalize: RewardNormalizeConfig = field(default_factory=RewardNormalizeConfig)
 
 
 @dataclass
@@ -307,6 +339,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    reward_clip: Optional[float] = None  # clip each sequence's score to [-c, c] before the KL penalty
+    stop_token: Optional[str] = None  # the reward sees each response cut after this (one-token) text
+    missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
 
 
 @dataclass
@@ -358,10 +393,110 @@ class PPOTrainerConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 
 
-def default_config() -> DictConfig:
+# ---- the supervised stages (config/sft_trainer.yaml, config/rm_trainer.yaml; comments there) ------
+
+
+@dataclass
+class StageDataConfig:
+    train_files: Any = None  # None = the built-in RLHF task's data for the stage
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    max_length: int = 256  # tokens per sequence (prompt + response)
+    truncation: str = "error"  # error | right (SFT) / left (reward model)
+    train_batch_size: int = 32  # sequences (SFT) or preference groups (RM) per optimizer step, global
+    micro_batch_size_per_gpu: int = 8
+    val_batch_size: Optional[int] = None  # None = the whole validation set at once
+    shuffle: bool = True
+    seed: int = 1
+    dataloader_num_workers: int = 0
+    chat_template: Optional[str] = None
+
+
+@dataclass
+class SFTDataConfig(StageDataConfig):
+    messages_key: str = "messages"
+    response_key: str = "response"
+
+
+@dataclass
+class RMDataConfig(StageDataConfig):
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    responses_key: str = "responses"
+    label_key: str = "label"
+
+
+@dataclass
+class StageModelConfig:
+    path: Optional[str] = None  # None = the built-in model
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class StageOptimConfig(OptimConfig):
+    lr: float = 1.0e-5
+    grad_clip: float = 1.0
+
+
+@dataclass
+class StageTrainerConfig:
+    project_name: str = "hflow"
+    experiment_name: str = "default"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    backend: str = "ray"
+    nnodes: int = 1
+    n_gpus_per_node: int = 2
+    cpus_per_worker: int = 1
+    threads_per_worker: Optional[int] = None
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    test_freq: int = -1
+    val_before_train: bool = True
+    save_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: Optional[str] = None
+    max_ckpt_to_keep: Optional[int] = None
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    log_dir: str = "logs/${trainer.project_name}/${trainer.experiment_name}"
+    hf_output_dir: str = "${trainer.default_local_dir}/huggingface"
+    seed: int = 42
+
+
+@dataclass
+class _StageConfig:
+    """What the supervised stages share; each adds its `data` and its `trainer` defaults."""
+
+    model: StageModelConfig = field(default_factory=StageModelConfig)
+    optim: StageOptimConfig = field(default_factory=StageOptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+@dataclass
+class SFTTrainerConfig(_StageConfig):
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(experiment_name="sft"))
+
+
+@dataclass
+class RMTrainerConfig(_StageConfig):
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(experiment_name="rm"))
+
+
+SCHEMAS = {"ppo_trainer": PPOTrainerConfig, "sft_trainer": SFTTrainerConfig, "rm_trainer": RMTrainerConfig}
+
+
+def default_config(schema: type = PPOTrainerConfig) -> DictConfig:
     """The whole configuration at its defaults: typed, every key present, unknown keys refused.
-    Code that builds a config by hand (tests, benchmarks) starts here and sets what it needs."""
-    return OmegaConf.structured(PPOTrainerConfig)
+    Code that builds a config by hand (tests, benchmarks) starts here and sets what it needs. `schema`: the
+    stage (`PPOTrainerConfig`, `SFTTrainerConfig`, `RMTrainerConfig`)."""
+    return OmegaConf.structured(schema)
 
 
 def default_section(key: str, **overrides: Any) -> DictConfig:
@@ -374,14 +509,15 @@ def default_section(key: str, **overrides: Any) -> DictConfig:
     return section
 
 
-def validate_config(config: DictConfig | dict) -> DictConfig:
-    """`config` checked against the schema: a typed copy with every key, or a `ConfigError` naming the
-    first key that is unknown or holds a value of the wrong type. Interpolations stay unresolved."""
+def validate_config(config: DictConfig | dict, schema: type = PPOTrainerConfig) -> DictConfig:
+    """`config` checked against the `schema` (default: PPO's): a typed copy with every key, or a
+    `ConfigError` naming the first key that is unknown or holds a value of the wrong type.
+    Interpolations stay unresolved."""
     try:
-        return OmegaConf.merge(default_config(), config)
+        return OmegaConf.merge(default_config(schema), config)
     except ConfigKeyError as err:
         parent, _, key = str(err.full_key).rpartition(".")
-        section = OmegaConf.select(default_config(), parent) if parent else default_config()
+        section = OmegaConf.select(default_config(schema), parent) if parent else default_config(schema)
         known = list(section.keys()) if isinstance(section, DictConfig) else []
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import ConfigError, default_config, validate_config
+from hflow.config_schema import SCHEMAS, ConfigError, default_config, validate_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -27,31 +27,38 @@ def yaml_leaves(name: str) -> dict:
     return leaves(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / name), resolve=False))
 
 
-def schema_leaves() -> dict:
-    return leaves(OmegaConf.to_container(default_config(), resolve=False))
+def schema_leaves(name: str = "ppo_trainer") -> dict:
+    return leaves(OmegaConf.to_container(default_config(SCHEMAS[name]), resolve=False))
 
 
-def test_yaml_and_schema_have_the_same_keys():
-    yaml_keys, schema_keys = set(yaml_leaves("ppo_trainer.yaml")), set(schema_leaves())
-    assert not yaml_keys - schema_keys, f"in ppo_trainer.yaml but not in the schema: {sorted(yaml_keys - schema_keys)}"
-    assert not schema_keys - yaml_keys, f"in the schema but not in ppo_trainer.yaml: {sorted(schema_keys - yaml_keys)}"
+STAGES = ["ppo_trainer", "sft_trainer", "rm_trainer"]
 
 
-def test_yaml_and_schema_have_the_same_defaults():
-    yaml, schema = yaml_leaves("ppo_trainer.yaml"), schema_leaves()
+@pytest.mark.parametrize("name", STAGES)
+def test_yaml_and_schema_have_the_same_keys(name):
+    yaml_keys, schema_keys = set(yaml_leaves(f"{name}.yaml")), set(schema_leaves(name))
+    assert not yaml_keys - schema_keys, f"in {name}.yaml but not in the schema: {sorted(yaml_keys - schema_keys)}"
+    assert not schema_keys - yaml_keys, f"in the schema but not in {name}.yaml: {sorted(schema_keys - yaml_keys)}"
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_yaml_and_schema_have_the_same_defaults(name):
+    yaml, schema = yaml_leaves(f"{name}.yaml"), schema_leaves(name)
     differ = {key: (yaml[key], schema[key]) for key in yaml.keys() & schema.keys() if yaml[key] != schema[key]}
     assert not differ, "defaults that differ (yaml, schema): " + ", ".join(f"{k}={v}" for k, v in sorted(differ.items()))
 
 
-def test_every_yaml_value_has_the_schema_type():
-    validate_config(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"))
+@pytest.mark.parametrize("name", STAGES)
+def test_every_yaml_value_has_the_schema_type(name):
+    validate_config(OmegaConf.load(CONFIG_DIR / f"{name}.yaml"), SCHEMAS[name])
 
 
-def test_builtin_task_settings_name_schema_keys():
-    schema = schema_leaves()
-    unknown = sorted(set(yaml_leaves("builtin_task.yaml")) - set(schema))
-    assert not unknown, f"builtin_task.yaml names keys the schema does not have: {unknown}"
-    validate_config(OmegaConf.load(CONFIG_DIR / "builtin_task.yaml"))  # and values of the right type
+@pytest.mark.parametrize("builtin,name", [("builtin_task", "ppo_trainer"), ("builtin_sft", "sft_trainer"),
+                                          ("builtin_rm", "rm_trainer")])
+def test_builtin_task_settings_name_schema_keys(builtin, name):
+    unknown = sorted(set(yaml_leaves(f"{builtin}.yaml")) - set(schema_leaves(name)))
+    assert not unknown, f"{builtin}.yaml names keys the schema does not have: {unknown}"
+    validate_config(OmegaConf.load(CONFIG_DIR / f"{builtin}.yaml"), SCHEMAS[name])  # and values of the right type
 
 
 def composed(*overrides: str):

@@ -41,25 +41,45 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
     command line (`user_keys`), nor a value that differs from the shipped default.
     """
-    needs_model = config.actor_rollout_ref.model.path is None
+    from hflow.utils.builtin_task import ensure_builtin_assets
+
+    def files() -> tuple[str, str]:
+        assets = ensure_builtin_assets()
+        return str(assets.train_file), str(assets.val_file)
+
+    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, "builtin_task.yaml", default_config(), user_keys)
+
+
+def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_yaml: str, shipped: DictConfig,
+                       user_keys: frozenset[str]) -> None:
+    """The built-in model at `model_key` and the built-in `data_files()` (train, val) where unset; with
+    both, `apply_builtin_settings(settings_yaml)`. Shared by every stage's entry point."""
+    from hflow.utils.builtin_task import ensure_builtin_assets
+
+    needs_model = OmegaConf.select(config, model_key) is None
     needs_data = config.data.train_files is None or config.data.val_files is None
     if not (needs_model or needs_data):
         return
-    from hflow.utils.builtin_task import ensure_builtin_assets
-
-    assets = ensure_builtin_assets()
+    train_file, val_file = data_files()
     with open_dict(config):
         if needs_model:
-            config.actor_rollout_ref.model.path = str(assets.model_path)
+            OmegaConf.update(config, model_key, str(ensure_builtin_assets().model_path))
         if config.data.train_files is None:
-            config.data.train_files = str(assets.train_file)
+            config.data.train_files = train_file
         if config.data.val_files is None:
-            config.data.val_files = str(assets.val_file)
-        if needs_model and needs_data:
-            shipped = default_config()
-            for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "builtin_task.yaml"))):
-                if key not in user_keys and OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
-                    OmegaConf.update(config, key, value)
+            config.data.val_files = val_file
+    if needs_model and needs_data:
+        apply_builtin_settings(config, settings_yaml, shipped, user_keys)
+
+
+def apply_builtin_settings(config: DictConfig, yaml_name: str, shipped: DictConfig, user_keys: frozenset[str]) -> None:
+    """The settings of `config/<yaml_name>` for the built-in model and task, over the shipped defaults
+    (`shipped`): never over a key given on the command line (`user_keys`), nor a value that differs from
+    the shipped default."""
+    with open_dict(config):
+        for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / yaml_name))):
+            if key not in user_keys and OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
+                OmegaConf.update(config, key, value)
 
 
 def _leaves(tree: dict, prefix: str = ""):
@@ -77,6 +97,12 @@ def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
     preflight_check(config)
     OmegaConf.resolve(config)
     trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before any worker starts
+    return train(trainer, config)
+
+
+def train(trainer, config: DictConfig) -> dict[str, float]:
+    """Start the backend, then the trainer's workers and its loop; the workers are stopped however it ends.
+    Returns the last validation metrics."""
     start_backend(config)
     try:
         trainer.init_workers()
@@ -134,14 +160,20 @@ def plot_learning_curve(config: DictConfig) -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
+    run_cli(run_ppo, config)
+
+
+def run_cli(run, config: DictConfig) -> None:
+    """What every hflow entry point does around `run(config, user_keys)`: quiet library noise; on Ctrl-C
+    stop cleanly; a user's error (config, data, reward function) ends the run with its message alone."""
     from hydra.core.hydra_config import HydraConfig
 
     install_library_filter()
     user_keys = frozenset(o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
     try:
-        run_ppo(config, user_keys)
+        run(config, user_keys)
     except KeyboardInterrupt:
-        # run_ppo's cleanup has stopped the workers; stop a local Ray cluster too, then exit normally
+        # run's cleanup has stopped the workers; stop a local Ray cluster too, then exit normally
         # so that every exit handler (scoring processes, loggers) runs.
         _stop_ray()
         print("interrupted: workers stopped", file=sys.stderr)

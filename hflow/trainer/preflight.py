@@ -29,7 +29,7 @@ from hflow.config_schema import (
     per_rank_mini_batch,
 )
 from hflow.utils.tracking import check_backends
-from hflow.workers.config import check_model_path
+from hflow.workers.config import check_ema, check_model_path, check_ptx, check_value_head
 
 
 def _files(value) -> list[str]:
@@ -103,6 +103,9 @@ def preflight_check(config: DictConfig) -> None:
     if algo.adv_estimator == "gae" and config.critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
                           "(by default it is the actor's model)")
+    if algo.adv_estimator == "gae":
+        check_value_head(config.critic.model, "critic.model")
+    check_rlhf_actor_details(config)
     if algo.adv_estimator in ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline") and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: set "
@@ -164,6 +167,7 @@ def preflight_check(config: DictConfig) -> None:
         raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
+    check_reward_shaping(config)
     check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
     cpus = int(trainer.cpus_per_worker)
@@ -188,6 +192,53 @@ def preflight_check(config: DictConfig) -> None:
         if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
             raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
                               f"{torch.cuda.device_count()} GPUs")
+
+
+def check_reward_shaping(config: DictConfig) -> None:
+    """`algorithm.reward_clip`, `.stop_token` (one token of the policy tokenizer, which is loaded: no
+    model), `.missing_stop_penalty` and `reward_model.normalize`."""
+    algo, normalize = config.algorithm, config.reward_model.normalize
+    if algo.reward_clip is not None and not float(algo.reward_clip) > 0:
+        raise ConfigError(f"algorithm.reward_clip must be a positive number (or null: no clipping), got {algo.reward_clip}")
+    if algo.missing_stop_penalty is not None and algo.stop_token is None:
+        raise ConfigError("algorithm.missing_stop_penalty scores the responses without algorithm.stop_token, which is "
+                          "null; set algorithm.stop_token too, or algorithm.missing_stop_penalty=null")
+    if algo.stop_token is not None:
+        from transformers import AutoTokenizer
+
+        from hflow.trainer.ppo.reward_shaping import resolve_stop_token_id
+
+        model = config.actor_rollout_ref.model
+        path = str(model.tokenizer_path or model.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model.trust_remote_code))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"algorithm.stop_token is checked against the policy tokenizer, which does not load "
+                              f"from {path}: {err}") from None
+        resolve_stop_token_id(tokenizer, algo.stop_token)
+    if normalize.enable:
+        if not config.reward_model.enable:
+            raise ConfigError("reward_model.normalize.enable=true normalises the reward model's scores, but "
+                              "reward_model.enable=false; enable the reward model or set reward_model.normalize.enable=false")
+        if int(normalize.num_prompts) < 2:
+            raise ConfigError(f"reward_model.normalize.num_prompts must be >= 2 (a std needs two samples), "
+                              f"got {normalize.num_prompts}")
+
+
+def check_rlhf_actor_details(config: DictConfig) -> None:
+    """PPO-ptx (`actor.ptx`: sizes, and with coef > 0 the text files: present, with the text column, not
+    empty; only their footers are read) and the actor's EMA (`actor.ema`)."""
+    from hflow.utils.dataset.ptx_dataset import check_ptx_files
+    from hflow.utils.errors import DataError
+
+    actor = config.actor_rollout_ref.actor
+    check_ptx(actor.ptx, "actor_rollout_ref.actor.ptx")
+    check_ema(actor.ema, "actor_rollout_ref.actor.ema")
+    if float(actor.ptx.coef) > 0:
+        try:
+            check_ptx_files(actor.ptx.files, actor.ptx.text_key)
+        except DataError as err:
+            raise ConfigError(str(err)) from None
 
 
 def check_reward_sources(config: DictConfig) -> None:

@@ -12,6 +12,12 @@ Layout of a checkpoint folder:
     model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
     extra_rank_<r>.pt       LR scheduler state, RNG states and other stateful objects of rank r
     huggingface/            (contents include "hf_model") config, tokenizer, safetensors
+    <name>/                 (contents include "hf_model") each extra export, e.g. the actor's EMA
+                            weights as `ema_huggingface/`
+
+Sharded state beside the model (`sharded_state`, e.g. an EMA of the weights, whose state dict holds
+DTensors with the parameters' placements) goes into `model_optim/` with the model, under its own name,
+so it is resharded on load like the model.
 
 The Hugging Face export (`save_hf_model`) gathers full parameters one tensor at a time and writes
 safetensors that `transformers` and vLLM load as they are.
@@ -20,11 +26,12 @@ safetensors that `transformers` and vLLM load as they are.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -35,6 +42,8 @@ from hflow.utils import device
 _TMP_SUFFIX = ".incomplete"
 _OLD_SUFFIX = ".replaced"
 _SHARD_BYTES = 4 * 2**30  # safetensors files of at most ~4 GiB, as Hugging Face does
+
+logger = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -96,7 +105,8 @@ class FSDPCheckpointManager:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler=None, tokenizer=None, contents: Iterable[str] = ("model", "optimizer", "extra"),
-                 stateful: dict | None = None):
+                 stateful: dict | None = None, sharded_state: dict | None = None,
+                 hf_exports: dict[str, Callable[[Path], None]] | None = None):
         unknown = set(contents) - {"model", "optimizer", "extra", "hf_model"}
         if unknown:
             raise ValueError(
@@ -109,6 +119,12 @@ class FSDPCheckpointManager:
         self.contents = set(contents)
         # Other per-rank state with state_dict()/load_state_dict() (e.g. the generation RNG stream).
         self.stateful = dict(stateful or {})
+        # Sharded state saved with the model (contents include "model"): state_dict() gives tensors that
+        # DCP fills in place on load; an object may define reset(), called when a checkpoint lacks it.
+        self.sharded_state = dict(sharded_state or {})
+        # Extra Hugging Face folders written beside huggingface/: {folder name: writer(folder path)},
+        # called on every rank (the writers gather shards).
+        self.hf_exports = dict(hf_exports or {})
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -118,6 +134,9 @@ class FSDPCheckpointManager:
             state["model"] = get_model_state_dict(self.model)
         if "optimizer" in self.contents and self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if "model" in self.contents:
+            for name, obj in self.sharded_state.items():
+                state[name] = obj.state_dict()
         return state
 
     def save_checkpoint(self, path: str | os.PathLike, global_step: int = 0) -> Path:
@@ -141,6 +160,8 @@ class FSDPCheckpointManager:
             torch.save(extra, tmp / f"extra_rank_{_rank()}.pt")
         if "hf_model" in self.contents:
             save_hf_model(self.model, tmp / "huggingface", tokenizer=self.tokenizer)
+            for folder, export in self.hf_exports.items():
+                export(tmp / folder)
         _barrier()
         if _rank() == 0:
             commit_folder(tmp, final)
@@ -156,12 +177,25 @@ class FSDPCheckpointManager:
         if found is None:
             raise FileNotFoundError(f"no checkpoint at {path} (a folder written by save_checkpoint)")
         state = self._state()
+        absent = []
         if state:
+            saved = {key.split(".", 1)[0] for key in
+                     dcp.FileSystemReader(str(found / "model_optim")).read_metadata().state_dict_metadata}
+            absent = [name for name in self.sharded_state if name in state and name not in saved]
+            for name in absent:  # e.g. an EMA enabled on resuming a run that had none
+                del state[name]
             dcp.load(state, checkpoint_id=str(found / "model_optim"))
             if "model" in state:
                 set_model_state_dict(self.model, state["model"])
             if "optimizer" in state:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            for name, obj in self.sharded_state.items():
+                if name in state:
+                    obj.load_state_dict(state[name])
+        for name in absent:  # after the model: the state restarts from the loaded weights
+            logger.warning("checkpoint %s has no %r state; it restarts from the loaded model", found, name)
+            if hasattr(self.sharded_state[name], "reset"):
+                self.sharded_state[name].reset()
         extra_path = found / f"extra_rank_{_rank()}.pt"
         if "extra" not in self.contents or not extra_path.exists():
             return {}
@@ -176,12 +210,14 @@ class FSDPCheckpointManager:
 
 
 def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
-                  dtype: torch.dtype | None = None) -> None:
+                  dtype: torch.dtype | None = None,
+                  weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write `model` (FSDP2-sharded or plain) as a Hugging Face folder: config, tokenizer, safetensors.
 
     Every rank takes part in gathering each full parameter (one at a time, so peak memory is one full
     tensor on the device); rank 0 keeps them on CPU and writes the files, into a temporary folder that
-    is renamed into place when complete.
+    is renamed into place when complete. `weights`: (HF name, full tensor) pairs to write instead of the
+    model's own (e.g. `ParamEMA.iter_full()`); the model still gives the config and the tie.
     """
     from safetensors.torch import save_file
 
@@ -191,7 +227,7 @@ def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=Non
     config = getattr(model, "config", None)
     tied = bool(config is not None and getattr(config, "tie_word_embeddings", False))
     tensors = {}
-    for name, tensor in iter_full_params(model):
+    for name, tensor in (iter_full_params(model) if weights is None else weights):
         if _rank() == 0 and not (tied and name == "lm_head.weight"):
             tensors[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
     if _rank() != 0:

@@ -55,6 +55,7 @@ __all__ = [
     "default_mixed_precision",
     "enable_gradient_checkpointing",
     "fsdp_clip_grad_norm",
+    "is_sequence_classifier",
     "iter_full_params",
     "load_causal_lm",
     "load_fsdp_model_to_device",
@@ -76,6 +77,7 @@ _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 
 # Seed of the value head's initialisation (see `load_value_model`).
 _VALUE_HEAD_SEED = 0
+VALUE_HEAD_INITS = ("zero", "normal")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -197,17 +199,23 @@ def _on_this_rank(
     attn_implementation: str | None,
     trust_remote_code: bool,
     rank0_only: bool,
+    loading_info: dict | None = None,
 ) -> nn.Module:
     """`auto_class.from_pretrained(path)`; with `rank0_only`, on ranks other than 0 the same model
     built from `config` on the meta device instead: no weights read and no memory taken, as
-    `weights_from_rank0` then gives these ranks their shards of rank 0's weights."""
+    `weights_from_rank0` then gives these ranks their shards of rank 0's weights. `loading_info`, where
+    the weights are read, receives from_pretrained's (missing_keys, unexpected_keys, ...)."""
     kwargs: dict[str, Any] = dict(
         dtype=to_torch_dtype(dtype),
         attn_implementation=attn_implementation or default_attn_implementation(),
         trust_remote_code=trust_remote_code,
     )
     if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:
-        return auto_class.from_pretrained(path, config=config, **kwargs)
+        if loading_info is None:
+            return auto_class.from_pretrained(path, config=config, **kwargs)
+        model, info = auto_class.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+        loading_info.update(info)
+        return model
     with torch.device("meta"):
         model = auto_class.from_config(config, **kwargs)
     # what from_pretrained does besides reading the weights
@@ -248,35 +256,68 @@ def load_value_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     rank0_only: bool = False,
+    value_head_init: str = "zero",
 ) -> nn.Module:
-    """The critic: the causal LM's backbone with a new linear value head per token.
+    """The critic: a backbone with a linear value head per token.
 
-    This is `AutoModelForTokenClassification` with one label, loaded from a causal-LM folder: the
-    backbone weights (`model.*`) are the policy's, the LM head is dropped and `score` (hidden -> 1)
-    is new. The HF class (rather than a hand-written wrapper) keeps `_no_split_modules`, gradient
-    checkpointing and `save_pretrained` working, so a critic checkpoint is an ordinary HF folder.
-    Output: `.logits` of shape (batch, seq, 1) = V of the state after reading token t.
+    This is `AutoModelForTokenClassification` with one label. From a causal-LM folder the backbone
+    weights (`model.*`) are the policy's, the LM head is dropped and `score` (hidden -> 1) is new,
+    initialised by `value_head_init`: "zero" (the default; lm-human-preferences and DeepSpeed-Chat:
+    every first value is 0, and the backbone's features are not disturbed by a random head's
+    gradients) or "normal" (HF's normal(0, initializer_range) from a fixed seed). Either way every
+    run, and every rank, starts from the same critic.
 
-    Dropout on the head is switched off (HF defaults it to 0.1 when the config names none): it would
-    make the values of the update differ from those of `compute_values`. The head is initialised
-    from a fixed seed (HF's normal(0, initializer_range), zero bias), so every run starts from the
-    same critic, and every rank too when each loads its own copy. `rank0_only` as in `load_causal_lm`
-    (the other ranks then receive rank 0's head).
+    From a reward model's folder (a `*ForSequenceClassification` with one label, as DeepSpeed-Chat and
+    lm-human-preferences start their critics) the backbone and the reward head's `score` weights are
+    both loaded, as the value head: the first values are the reward model's per-token scores, and
+    `value_head_init` is not used. A bias the reward model lacks is 0.
+
+    The HF class (rather than a hand-written wrapper) keeps `_no_split_modules`, gradient checkpointing
+    and `save_pretrained` working, so a critic checkpoint is an ordinary HF folder. Output: `.logits` of
+    shape (batch, seq, 1) = V of the state after reading token t. Dropout on the head is switched off
+    (HF defaults it to 0.1 when the config names none): it would make the values of the update differ
+    from those of `compute_values`. `rank0_only` as in `load_causal_lm` (the other ranks then receive
+    rank 0's head).
     """
-    config = _load_config(path, override_config, trust_remote_code, num_labels=1, classifier_dropout=0.0)
-    model = _on_this_rank(
-        AutoModelForTokenClassification, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
-    )
+    if value_head_init not in VALUE_HEAD_INITS:
+        raise ValueError(f"value_head_init={value_head_init!r} is not one of {list(VALUE_HEAD_INITS)}")
+    config = _load_config(path, override_config, trust_remote_code)
+    from_reward_model = is_sequence_classifier(config)
+    if from_reward_model and config.num_labels != 1:
+        raise ValueError(f"{path} is a sequence classifier with num_labels={config.num_labels}; a critic can start "
+                         "from a reward model with one label only")
+    _apply_overrides(config, {"num_labels": 1, "classifier_dropout": 0.0})
+    loading_info: dict = {}
+    model = _on_this_rank(AutoModelForTokenClassification, path, config, dtype, attn_implementation,
+                          trust_remote_code, rank0_only, loading_info=loading_info)
     head: nn.Linear = model.score
     if head.weight.is_meta:  # built empty on a rank other than 0
         return model
-    generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
-    std = float(getattr(model.config, "initializer_range", 0.02))
+    missing = set(loading_info.get("missing_keys", ()))
     with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        if from_reward_model:
+            if "score.weight" in missing:
+                raise ValueError(f"{path} is a sequence classifier but has no `score.weight`; its head cannot be "
+                                 "loaded as the value head")
+            if head.bias is not None and "score.bias" in missing:
+                head.bias.zero_()
+            return model
+        if value_head_init == "zero":
+            head.weight.zero_()
+        else:
+            generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
+            std = float(getattr(model.config, "initializer_range", 0.02))
+            head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
         if head.bias is not None:
             head.bias.zero_()
     return model
+
+
+def is_sequence_classifier(config: PretrainedConfig | Mapping[str, Any]) -> bool:
+    """Whether a model folder's config (object or config.json dict) names a `*ForSequenceClassification`
+    architecture: a reward model."""
+    architectures = config.get("architectures") if isinstance(config, Mapping) else config.architectures
+    return any(str(name).endswith("ForSequenceClassification") for name in architectures or ())
 
 
 def load_reward_model(

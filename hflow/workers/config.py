@@ -14,6 +14,7 @@ the keys to change (the trainer's preflight applies the same functions before it
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,8 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
         check_micro_batch(actor.ppo_mini_batch_size_per_rank, actor.ppo_micro_batch_size_per_gpu, f"{prefix}.actor",
                           "ppo_micro_batch_size_per_gpu", actor.use_dynamic_bsz)
         check_positive(actor.ppo_epochs, f"{prefix}.actor.ppo_epochs")
+        check_ptx(actor.ptx, f"{prefix}.actor.ptx")
+        check_ema(actor.ema, f"{prefix}.actor.ema")
     if cfg.rollout.dtype is None:  # the engine's dtype, and the weight stream's: the device's compute dtype
         from hflow.utils.device import compute_dtype
 
@@ -85,9 +88,44 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
     return cfg
 
 
+def check_ptx(ptx: Any, prefix: str) -> None:
+    """PPO-ptx sizes, when it is on (`coef > 0`); the files are checked where they are read."""
+    coef = float(ptx.coef)
+    if coef < 0:
+        raise ConfigError(f"{prefix}.coef must be >= 0 (0 = off), got {coef}")
+    if coef == 0:
+        return
+    check_positive(ptx.batch_size_per_gpu, f"{prefix}.batch_size_per_gpu")
+    check_positive(ptx.micro_batch_size_per_gpu, f"{prefix}.micro_batch_size_per_gpu")
+    if int(ptx.batch_size_per_gpu) % int(ptx.micro_batch_size_per_gpu):
+        raise ConfigError(f"{prefix}.micro_batch_size_per_gpu ({ptx.micro_batch_size_per_gpu}) must divide "
+                          f"{prefix}.batch_size_per_gpu ({ptx.batch_size_per_gpu})")
+    if int(ptx.max_length) < 2:
+        raise ConfigError(f"{prefix}.max_length must be >= 2 tokens (one predicts the next), got {ptx.max_length}")
+
+
+def check_ema(ema: Any, prefix: str) -> None:
+    if ema.enable and not 0.0 <= float(ema.decay) < 1.0:
+        raise ConfigError(f"{prefix}.decay must be in [0, 1), got {ema.decay}")
+
+
+def check_value_head(model: Any, prefix: str) -> None:
+    """`value_head_init` is a known choice; a reward model's folder as the critic has one label."""
+    from hflow.utils.fsdp_utils import VALUE_HEAD_INITS, is_sequence_classifier
+
+    check_choice(model.value_head_init, VALUE_HEAD_INITS, f"{prefix}.value_head_init")
+    config_file = Path(str(model.path)).expanduser() / "config.json"
+    folder_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    labels = len(folder_config.get("id2label") or {}) or folder_config.get("num_labels", 1)
+    if is_sequence_classifier(folder_config) and labels != 1:
+        raise ConfigError(f"{prefix}.path={model.path} is a sequence classifier with {labels} labels; a critic can "
+                          "start from a reward model with one label (num_labels=1) only")
+
+
 def normalize_critic(config: DictConfig, world_size: int) -> DictConfig:
     cfg = resolved_copy(config)
     check_model_path(cfg.model.path, "critic.model.path")
+    check_value_head(cfg.model, "critic.model")
     cfg.ppo_mini_batch_size_per_rank = per_rank_mini_batch(
         cfg.ppo_mini_batch_size, int(cfg.rollout_n), world_size, "critic", "critic.rollout_n")
     check_micro_batch(cfg.ppo_mini_batch_size_per_rank, cfg.ppo_micro_batch_size_per_gpu, "critic",

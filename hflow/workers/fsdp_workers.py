@@ -155,18 +155,25 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
                 train=self._is_actor,
             )
+        self.ptx_sampler = self.actor_ema = None
         if self._is_actor:
             from hflow.workers.actor import DataParallelPPOActor
 
-            self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer)
+            self._build_ptx_and_ema()
+            self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
+                                              ptx_sampler=self.ptx_sampler, ema=self.actor_ema)
         if self._is_rollout:
             self._build_rollout()
         if self._is_actor:
             stateful = {"sharding_manager": self.sharding_manager} if hasattr(
                 getattr(self, "sharding_manager", None), "state_dict") else {}
+            if self.ptx_sampler is not None:  # a resumed run continues the same draws
+                stateful["ptx_sampler"] = self.ptx_sampler
+            ema = {"ema": self.actor_ema} if self.actor_ema is not None else {}
             self.checkpoint_manager = FSDPCheckpointManager(
                 self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer,
-                contents=self.config.actor.checkpoint.contents, stateful=stateful,
+                contents=self.config.actor.checkpoint.contents, stateful=stateful, sharded_state=ema,
+                hf_exports={"ema_huggingface": self._write_ema_hf_model} if ema else None,
             )
         if self._is_ref:
             from hflow.workers.actor import DataParallelPPOActor
@@ -185,6 +192,22 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),
                       self._offload_param, self._offload_optim)
         self._offload(getattr(self, "ref_module", None), None, self._offload_ref_param, False)
+
+    def _build_ptx_and_ema(self) -> None:
+        """PPO-ptx's text sampler (this rank's own draws) and the EMA of the actor's shards, when configured."""
+        actor_cfg = self.config.actor
+        if float(actor_cfg.ptx.coef) > 0:
+            from hflow.utils.dataset.ptx_dataset import PtxSampler
+
+            ptx = actor_cfg.ptx
+            self.ptx_sampler = PtxSampler(ptx.files, ptx.text_key, self.tokenizer, ptx.batch_size_per_gpu,
+                                          ptx.max_length, seed=ptx.seed, rank=self.rank)
+        if actor_cfg.ema.enable:
+            from hflow.utils.ema import ParamEMA
+
+            # Offloaded parameters leave the device between phases; their average never takes it.
+            self.actor_ema = ParamEMA(self.actor_module, actor_cfg.ema.decay,
+                                      device="cpu" if self._offload_param else None)
 
     def _build_rollout(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -326,6 +349,19 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         save_hf_model(self.actor_module, local_path, tokenizer=self.tokenizer)
         self._offload(self.actor_module, None, self._offload_param, False)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_ema_hf_model(self, local_path: str) -> None:
+        """Export the EMA of the actor's weights (`actor.ema.enable`) as a plain Hugging Face folder, with
+        the actor's config and tokenizer: transformers and vLLM load it as they load the actor's export."""
+        self._require(self._is_actor, "save_ema_hf_model", "actor")
+        if self.actor_ema is None:
+            raise RuntimeError("save_ema_hf_model() needs actor_rollout_ref.actor.ema.enable=true")
+        self._write_ema_hf_model(local_path)
+
+    def _write_ema_hf_model(self, local_path) -> None:
+        # the model gives the config, the tie and the buffers; the averages, gathered shard by shard, the weights
+        save_hf_model(self.actor_module, local_path, tokenizer=self.tokenizer, weights=self.actor_ema.iter_full())
+
     def close(self) -> None:
         if getattr(self, "rollout", None) is not None:
             self.rollout.close()
@@ -361,6 +397,7 @@ class CriticWorker(Worker, _FSDPModelHolder):
             override_config=model_cfg.override_config,
             trust_remote_code=model_cfg.trust_remote_code,
             rank0_only=True,
+            value_head_init=model_cfg.value_head_init,  # unused when the path is a reward model's folder
         )
         self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
             module, fsdp_cfg, self.config.optim,

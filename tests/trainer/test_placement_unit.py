@@ -26,6 +26,7 @@ class _FakeWorkerGroup:
 def _trainer(checkpoint_dir, sees: dict[str, bool], save_freq: int = 5, resume_mode: str = "auto") -> RayPPOTrainer:
     trainer = object.__new__(RayPPOTrainer)  # only what _check_checkpoint_dir reads
     trainer.config = OmegaConf.create({"trainer": {"save_freq": save_freq, "resume_mode": resume_mode,
+                                                   "resume_from_path": None, "max_actor_ckpt_to_keep": None,
                                                    "default_local_dir": str(checkpoint_dir)}})
     trainer.worker_group = _FakeWorkerGroup(sees)
     return trainer
@@ -79,8 +80,9 @@ def test_a_checkpoint_taken_with_a_rollout_in_flight_resumes_by_drawing_that_bat
     from hflow.trainer.ppo.ray_trainer import PendingRollout
 
     trainer = object.__new__(RayPPOTrainer)
-    trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None}})
-    trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward = 2, False, None
+    trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None,
+                                                   "resume_mode": "auto", "resume_from_path": None}})
+    trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward, trainer.reward_norm = 2, False, None, None
     trainer.actor_rollout_wg = trainer.rollout_wg = _Recorder()
     trainer.train_dataloader = _Loader()
     trainer._pending = PendingRollout(batch=None, gen_batch=None, call=None, version=1,

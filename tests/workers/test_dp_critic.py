@@ -74,9 +74,15 @@ def critic_config(**overrides) -> DictConfig:
     return config
 
 
+def load_critic_model(model_dir: Path):
+    """A random (seeded) value head rather than the default zero one: values, and the backbone's
+    gradients, are non-zero from the first step, so these tests see every mistake."""
+    return load_value_model(str(model_dir), value_head_init="normal")
+
+
 def make_critic(model_dir: Path, lr: float = 0.1, **overrides) -> DataParallelPPOCritic:
     """With plain SGD (the update is proportional to the gradient, so any mis-scaling shows)."""
-    model = load_value_model(str(model_dir))
+    model = load_critic_model(model_dir)
     return DataParallelPPOCritic(critic_config(**overrides), model, torch.optim.SGD(model.parameters(), lr=lr))
 
 
@@ -109,7 +115,7 @@ def test_dynamic_bsz_values_keep_row_order(model_dir: Path):
 
 def test_value_loss_falls_on_a_fixed_batch(model_dir: Path):
     config = critic_config(ppo_mini_batch_size_per_rank=4, ppo_micro_batch_size_per_gpu=2, grad_clip=1.0)
-    model = load_value_model(str(model_dir))
+    model = load_critic_model(model_dir)
     critic = DataParallelPPOCritic(config, model, build_optimizer(model.parameters(), OmegaConf.merge(config.optim, {"lr": 3e-3})))
     data = make_batch(8, seed=3)
     losses = []
@@ -137,7 +143,7 @@ def test_update_does_not_depend_on_micro_batching(model_dir: Path, loss_agg_mode
         results.append((critic.critic_module.state_dict(), metrics))
     (reference, ref_metrics), *others = results
     assert ref_metrics["critic/vf_clipfrac"][0] > 0
-    initial = load_value_model(str(model_dir)).state_dict()
+    initial = load_critic_model(model_dir).state_dict()
     assert max((reference[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
     for params, metrics in others:
         for key in reference:

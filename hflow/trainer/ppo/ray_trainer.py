@@ -10,7 +10,6 @@ algorithm; each heavy phase is one worker-group call.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from contextlib import contextmanager
@@ -26,7 +25,9 @@ from tqdm import tqdm
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
-from hflow.config_schema import ConfigError, placement_pools
+from hflow.config_schema import placement_pools
+from hflow.trainer.ppo import reward_shaping
+from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -38,7 +39,6 @@ from hflow.trainer.ppo.metric_utils import (
 from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
 
-LATEST_MARKER = "latest_checkpointed_iteration.txt"
 
 
 def pop_generation_inputs(batch: DataProto) -> DataProto:
@@ -83,12 +83,14 @@ def compute_response_mask(batch: DataProto) -> torch.Tensor:
     return batch.batch["attention_mask"][:, -response_length:]
 
 
-def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str) -> dict[str, float]:
-    """token_level_rewards = token_level_scores - beta * KL(pi_old || pi_ref) per token; updates the controller."""
+def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str, scores: torch.Tensor | None = None) -> dict[str, float]:
+    """token_level_rewards = token_level_scores (or the given `scores`, e.g. clipped ones) - beta * KL(pi_old ||
+    pi_ref) per token; updates the controller."""
     mask = batch.batch["response_mask"]
     kld = core_algos.kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], kl_penalty) * mask
     beta = kl_ctrl.value
-    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"] - beta * kld
+    scores = batch.batch["token_level_scores"] if scores is None else scores
+    batch.batch["token_level_rewards"] = scores - beta * kld
     current_kl = masked_mean(kld, mask, axis=-1).mean().item()
     kl_ctrl.update(current_kl=current_kl, n_steps=len(batch))
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
@@ -166,6 +168,11 @@ class RayPPOTrainer:
         self.use_reference_policy = bool(algo.use_kl_in_reward or actor.use_kl_loss)
         self.use_rm = bool(config.reward_model.enable)
         self.kl_ctrl_in_reward = core_algos.get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
+        # algorithm.stop_token (checked by preflight to be one token of this tokenizer) and reward_model.normalize
+        self.stop_token_id = (None if algo.stop_token is None
+                              else reward_shaping.resolve_stop_token_id(tokenizer, algo.stop_token))
+        self.reward_norm = (reward_shaping.RewardNormalization()
+                            if self.use_rm and config.reward_model.normalize.enable else None)
         self.total_training_steps = self._total_training_steps()
         for section in (actor.optim, config.critic.optim):
             section.total_training_steps = self.total_training_steps
@@ -269,6 +276,8 @@ class RayPPOTrainer:
                                 trainer_cfg.log_dir, OmegaConf.to_container(self.config, resolve=True))
         self._check_checkpoint_dir()
         self._load_checkpoint()
+        if self.reward_norm is not None and not self.reward_norm.fitted:  # a resumed run keeps its own
+            self._fit_reward_normalization()
         val_metrics = {}
         if self.val_reward_fn is not None and trainer_cfg.val_before_train and self.global_steps == 0:
             val_metrics = self._validate()
@@ -350,12 +359,10 @@ class RayPPOTrainer:
         batch.batch["response_mask"] = compute_response_mask(batch)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
 
-        # 3. reward
+        # 3. reward (of each response cut after algorithm.stop_token, when set)
         with timer("reward", timing):
-            if self.use_rm:
-                batch = batch.union(self.rm_wg.compute_rm_score(batch))
-            reward = self.reward_fn(batch, return_dict=True)
-            batch.batch["token_level_scores"] = reward["reward_tensor"]
+            batch.batch["token_level_scores"], reward, score_metrics = self._score(batch, self.reward_fn)
+        metrics.update(score_metrics)
         metrics.update(reward.get("reward_metrics", {}))
         metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
 
@@ -385,10 +392,15 @@ class RayPPOTrainer:
 
         # 6. rewards (optionally KL-penalised) and advantages, on the driver
         with timer("adv", timing):
+            scores = batch.batch["token_level_scores"]
+            if algo.reward_clip is not None:  # DeepSpeed-Chat: clip the score, not the KL-penalised reward
+                scores, clip_metrics = reward_shaping.clip_sequence_scores(
+                    scores, batch.batch["response_mask"], float(algo.reward_clip))
+                metrics.update(clip_metrics)
             if algo.use_kl_in_reward:
-                metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty))
+                metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty, scores))
             else:
-                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                batch.batch["token_level_rewards"] = scores
             compute_advantage(batch, algo)
 
         # 7. update the critic, then (after the warm-up) the actor
@@ -402,6 +414,8 @@ class RayPPOTrainer:
             self.policy_version += 1
             metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
+        if self.reward_norm is not None:
+            metrics.update(self.reward_norm.metrics())
         if self.config.trainer.rollout_data_dir:
             self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
         rollout.batch = batch  # with every column the step added, for the step's summary metrics
@@ -420,7 +434,60 @@ class RayPPOTrainer:
                                  meta_info={**gen_batch.meta_info, "do_sample": False})
         greedy = self.rollout_wg.generate_sequences(greedy_batch)
         scored = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch)).union(greedy)
-        return self.reward_fn(scored, return_dict=True)["reward_tensor"].sum(-1)
+        baseline = self._score(scored, self.reward_fn)[0].sum(-1)  # scored as the samples are
+        clip = self.config.algorithm.reward_clip
+        return baseline if clip is None else baseline.clamp(-float(clip), float(clip))
+
+    def _score(self, batch: DataProto, reward_fn) -> tuple[torch.Tensor, dict, dict[str, float]]:
+        """Token-level scores of `batch`'s responses, `reward_fn`'s full result and the shaping metrics.
+
+        The reward model (its scores normalised when `reward_model.normalize` is on) and `reward_fn` see
+        each response cut after `algorithm.stop_token`; a response without it then scores
+        `algorithm.missing_stop_penalty` (when set). `batch` itself stays as generated.
+        """
+        view, has_stop = batch, None
+        if self.stop_token_id is not None:
+            view, has_stop = reward_shaping.stop_token_view(batch, self.stop_token_id, self.tokenizer.pad_token_id)
+        if self.use_rm:
+            view = view.union(self._rm_scores(view))
+        reward = reward_fn(view, return_dict=True)
+        if has_stop is None:
+            return reward["reward_tensor"], reward, {}
+        scores, metrics = reward_shaping.finish_stop_token_scores(
+            reward["reward_tensor"], compute_response_mask(batch), has_stop, self.config.algorithm.missing_stop_penalty)
+        return scores, reward, metrics
+
+    def _rm_scores(self, batch: DataProto) -> DataProto:
+        """The reward model's `rm_scores`, normalised with the fitted gain and bias (reward_model.normalize)."""
+        output = self.rm_wg.compute_rm_score(batch)
+        if self.reward_norm is not None and self.reward_norm.fitted:
+            output.batch["rm_scores"] = self.reward_norm.apply(output.batch["rm_scores"], compute_response_mask(batch))
+        return output
+
+    def _fit_reward_normalization(self) -> None:
+        """lm-human-preferences: sample one response (training sampling settings) for each of
+        `reward_model.normalize.num_prompts` training prompts, drawn with a seeded generator straight from
+        the dataset (the training loader does not move), score them with the reward model, and fit a gain
+        and bias that give those scores mean 0 and std 1."""
+        num = int(self.config.reward_model.normalize.num_prompts)
+        generator = torch.Generator().manual_seed(int(self.config.data.seed))
+        order = torch.randperm(len(self.train_dataset), generator=generator)
+        indices = order[torch.arange(num) % len(order)].tolist()  # repeats prompts only when there are fewer
+        batch = DataProto.from_single_dict(self.collate_fn([self.train_dataset[i] for i in indices]))
+        gen_batch = pop_generation_inputs(batch)
+        gen_batch.meta_info["n"] = 1  # one sample per prompt, otherwise sampled as in training
+        self._push_weights()
+        padded, pad_size = pad_dataproto_to_divisor(gen_batch, self.rollout_wg.world_size)
+        output = unpad_dataproto(self.rollout_wg.generate_sequences(padded), pad_size)
+        output.meta_info.pop("metrics", None)
+        batch = batch.union(output)
+        if self.stop_token_id is not None:  # fit on what the reward model sees in training
+            batch, _ = reward_shaping.stop_token_view(batch, self.stop_token_id, self.tokenizer.pad_token_id)
+        rm_scores = self.rm_wg.compute_rm_score(batch).batch["rm_scores"]
+        has_response = compute_response_mask(batch).sum(-1) > 0
+        self.reward_norm.fit(rm_scores.sum(-1)[has_response])
+        print(f"reward_model.normalize: gain={self.reward_norm.gain:.6g} bias={self.reward_norm.bias:.6g} "
+              f"from {int(has_response.sum())} samples")
 
     # ------------------------------------------------------------------ validation
 
@@ -437,8 +504,14 @@ class RayPPOTrainer:
             output = unpad_dataproto(self.rollout_wg.generate_sequences(padded), pad_size)
             output.meta_info.pop("metrics", None)
             batch = batch.union(output)
-            result = self.val_reward_fn(batch, return_dict=True)
+            # The task score: the rule score of the response (cut after algorithm.stop_token when set, but
+            # never replaced by missing_stop_penalty, nor clipped: those shape training only).
+            view = batch if self.stop_token_id is None else reward_shaping.stop_token_view(
+                batch, self.stop_token_id, self.tokenizer.pad_token_id)[0]
+            result = self.val_reward_fn(view, return_dict=True)
             scores.extend(result["reward_tensor"].sum(-1).tolist())
+            if self.use_rm:  # reported beside it (val-aux/<data_source>/rm_score/...), normalised as in training
+                extra_infos.setdefault("rm_score", []).extend(self._rm_scores(view).batch["rm_scores"].sum(-1).tolist())
             for key, values in result.get("reward_extra_info", {}).items():
                 extra_infos.setdefault(key, []).extend(values)
             inputs.extend(self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True))
@@ -469,81 +542,53 @@ class RayPPOTrainer:
                           collate_fn=self.collate_fn)
 
     @property
+    def checkpoints(self) -> StepCheckpoints:
+        trainer_cfg = self.config.trainer
+        return StepCheckpoints(trainer_cfg.default_local_dir, trainer_cfg.resume_mode, trainer_cfg.resume_from_path,
+                               trainer_cfg.max_actor_ckpt_to_keep)
+
+    @property
     def checkpoint_root(self) -> Path:
-        # Absolute: every worker writes its own shards there, whatever its working directory.
-        return Path(self.config.trainer.default_local_dir).expanduser().resolve()
+        return self.checkpoints.root
 
     def _check_checkpoint_dir(self) -> None:
-        """Every rank writes its shards under trainer.default_local_dir and rank 0 reads them all on
-        resume, so all nodes must see one directory: fail now, not at the first save, when they do not."""
+        """All nodes must see trainer.default_local_dir: fail now, not at the first save, when they do not."""
         trainer_cfg = self.config.trainer
         if trainer_cfg.save_freq <= 0 and trainer_cfg.resume_mode == "disable":
             return
-        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
-        probe = self.checkpoint_root / f".hflow_shared_dir_probe_{uuid.uuid4().hex}"
-        probe.write_text("written by the trainer's driver")
-        try:
-            seen = self.worker_group.execute_all_sync("path_exists", str(probe))
-        finally:
-            probe.unlink(missing_ok=True)
-        blind = [name for name, ok in zip(self.worker_group.worker_names, seen) if not ok]
-        if blind:
-            raise ConfigError(
-                f"trainer.default_local_dir={self.checkpoint_root} is not shared with every node: workers "
-                f"{', '.join(blind)} cannot see a file the driver wrote there. Point it at a file system all nodes "
-                "mount (NFS, a shared volume) at the same path.")
+        self.checkpoints.check_shared(self.worker_group)
 
     def _save_checkpoint(self) -> None:
         """global_step_N/{actor,critic,data}; the `latest` marker is written last, so it names a complete step."""
-        step_dir = self.checkpoint_root / f"global_step_{self.global_steps}"
+        checkpoints = self.checkpoints
+        step_dir = checkpoints.step_dir(self.global_steps)
         self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=self.global_steps)
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
-        (step_dir / "data").mkdir(parents=True, exist_ok=True)
         # A batch already drawn for the next step (trainer.async_steps=1) is drawn again on resume.
         loader_state = self._pending.loader_state if self._pending else self.train_dataloader.state_dict()
         state = {"dataloader": loader_state, "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
+        if self.reward_norm is not None:
+            state["reward_norm"] = self.reward_norm.state_dict()
         if self.rollout_wg is not self.actor_rollout_wg:
             state["rollout_generation"] = self.rollout_wg.generation_state()
-        torch.save(state, step_dir / "data" / "state.pt")
-        marker = self.checkpoint_root / LATEST_MARKER
-        tmp_marker = marker.with_suffix(".tmp")
-        tmp_marker.write_text(str(self.global_steps))
-        tmp_marker.replace(marker)
-        self._prune_checkpoints()
-
-    def _prune_checkpoints(self) -> None:
-        keep = self.config.trainer.max_actor_ckpt_to_keep
-        if not keep:
-            return
-        steps = sorted(int(p.name.removeprefix("global_step_")) for p in self.checkpoint_root.glob("global_step_*")
-                       if p.name.removeprefix("global_step_").isdigit())
-        for step in steps[:-int(keep)]:
-            shutil.rmtree(self.checkpoint_root / f"global_step_{step}", ignore_errors=True)
-
-    def _find_checkpoint(self) -> Path | None:
-        mode = self.config.trainer.resume_mode
-        if mode == "disable":
-            return None
-        if mode == "resume_path":
-            return Path(self.config.trainer.resume_from_path)
-        marker = self.checkpoint_root / LATEST_MARKER
-        if not marker.exists():
-            return None
-        return self.checkpoint_root / f"global_step_{int(marker.read_text().strip())}"
+        checkpoints.save_driver_state(self.global_steps, state)
+        checkpoints.commit(self.global_steps)
 
     def _load_checkpoint(self) -> None:
-        step_dir = self._find_checkpoint()
+        step_dir = self.checkpoints.find()
         if step_dir is not None:
-            self.global_steps = int(step_dir.name.removeprefix("global_step_"))
+            self.global_steps = StepCheckpoints.step_of(step_dir)
             print(f"resuming from {step_dir} (step {self.global_steps})")
             self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"))
             if self.use_critic:
                 self.critic_wg.load_checkpoint(str(step_dir / "critic"))
-            state = torch.load(step_dir / "data" / "state.pt", weights_only=True)  # never runs code
+            state = self.checkpoints.load_driver_state(step_dir)
             self.train_dataloader.load_state_dict(state["dataloader"])
             if self.kl_ctrl_in_reward is not None and state.get("kl_ctrl") is not None:
                 self.kl_ctrl_in_reward.value = state["kl_ctrl"]
+            if self.reward_norm is not None and state.get("reward_norm") is not None:
+                self.reward_norm.load_state_dict(state["reward_norm"])  # never refitted: same rewards as before
             generation = state.get("rollout_generation")
             if self.rollout_wg is not self.actor_rollout_wg and generation and len(generation) == self.rollout_wg.world_size:
                 self.rollout_wg.load_generation_state(generation)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hflow.utils.reward_score import arithmetic, gsm8k, math
+from hflow.utils.reward_score import answer_style, arithmetic, gsm8k, math
 
 __all__ = ["SCORERS", "default_compute_score"]
 
@@ -24,6 +24,7 @@ SCORERS: dict[str, Callable[[str, Any], float]] = {
     "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
     "HuggingFaceH4/MATH-500": math.compute_score,
     "hflow/arithmetic": arithmetic.compute_score,
+    "hflow/arithmetic-style": answer_style.compute_score,
 }
 
 

@@ -16,10 +16,16 @@ ranks) and multiplied by the number of ranks D, because FSDP averages gradients 
 which is the gradient of the loss over the whole mini-batch, whatever the micro-batch size, token
 budget or number of ranks. Metrics follow the same rule: each rank reports its summed share times
 D, and the mean over ranks that the driver takes is the mini-batch value.
+
+PPO-ptx (`ptx.coef > 0`, InstructGPT): every optimizer step also draws a batch of pre-training text
+on each rank (`PtxSampler`) and adds coef x its token-mean next-token NLL, normalised the same way
+over the ptx tokens of all ranks, so the term is the NLL of the step's whole ptx batch. With an
+`ema` (`ParamEMA`), the moving average is updated after every optimizer step that was taken.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +37,8 @@ from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
+from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
+from hflow.utils.ema import ParamEMA
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -97,11 +105,14 @@ class DataParallelPPOActor(BasePPOActor):
     module may also be an unwrapped HF model (single process), which tests use as the reference.
     """
 
-    def __init__(self, config: Any, actor_module: nn.Module, actor_optimizer: Optimizer | None = None) -> None:
+    def __init__(self, config: Any, actor_module: nn.Module, actor_optimizer: Optimizer | None = None,
+                 ptx_sampler: PtxSampler | None = None, ema: ParamEMA | None = None) -> None:
         super().__init__(config)
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode) if actor_optimizer else None
+        self.ptx_sampler = ptx_sampler  # PPO-ptx batches, used when config.ptx.coef > 0
+        self.ema = ema
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -212,9 +223,37 @@ class DataParallelPPOActor(BasePPOActor):
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 step.add_loss("actor/kl_loss", kl_loss)
             loss.backward()
+        if self.ptx_sampler is not None and float(cfg.ptx.coef) > 0:
+            self._ptx_backward(step, device=mini_batch["input_ids"].device)
 
         step.flush_to(metrics)
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
         grad_norm = clip_grad_norm_and_step(self.actor_module, self.actor_optimizer, cfg.grad_clip)
         metrics["actor/grad_norm"].append(grad_norm)
+        if self.ema is not None and math.isfinite(grad_norm):  # a skipped step leaves the weights, and the EMA
+            self.ema.update()
+
+    def _ptx_backward(self, step: StepMetrics, device: torch.device) -> None:
+        """Accumulate coef x the ptx language-modelling loss of this step's pre-training batch."""
+        cfg = self.config
+        batch = self.ptx_sampler.next_batch().to(device)
+        info = GlobalBatchInfo.from_mask(ptx_loss_mask(batch["attention_mask"]))  # ptx tokens of all ranks
+        for micro_batch in batch.split(int(cfg.ptx.micro_batch_size_per_gpu)):
+            nll = self._ptx_nll(micro_batch)
+            ptx_loss = agg_loss(nll, ptx_loss_mask(micro_batch["attention_mask"]), "token-mean", info)
+            (float(cfg.ptx.coef) * ptx_loss).backward()
+            step.add_loss("actor/ptx_loss", ptx_loss)
+
+    def _ptx_nll(self, micro_batch: TensorDict) -> torch.Tensor:
+        """Next-token NLL (B, T-1) of a right-padded text batch; the loss mask is `ptx_loss_mask`."""
+        input_ids = micro_batch["input_ids"]
+        predicting = torch.arange(input_ids.shape[-1] - 1, device=input_ids.device)  # the last one predicts nothing
+        logits = self.actor_module(
+            input_ids=input_ids,
+            attention_mask=micro_batch["attention_mask"],
+            position_ids=micro_batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=predicting,
+        ).logits
+        return -logprobs_from_logits(logits, input_ids[:, 1:])

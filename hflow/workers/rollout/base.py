@@ -77,7 +77,8 @@ def resolve_sampling(config: DictConfig, meta_info: Mapping[str, Any]) -> Sampli
       non-zero temperature). One sample per row: like verl, the trainer repeats the validation batch
       `val_kwargs.n` times itself, so every repeat is an independent row.
     * `meta_info["do_sample"] = False` (or `config.do_sample = False`): greedy, one sample per row.
-    * otherwise `config.n` samples at `config.temperature`, `top_p`, `top_k`.
+    * otherwise `config.n` samples (or `meta_info["n"]`, e.g. one per prompt to fit the reward
+      normalisation) at `config.temperature`, `top_p`, `top_k`.
     """
     if meta_info.get("validate", False):
         val = config.val_kwargs
@@ -94,7 +95,7 @@ def resolve_sampling(config: DictConfig, meta_info: Mapping[str, Any]) -> Sampli
             "or do_sample=False for greedy decoding"
         )
     return SamplingSettings(
-        n=int(config.n),
+        n=int(meta_info.get("n", config.n)),
         temperature=temperature,
         top_p=float(config.top_p),
         top_k=int(config.top_k),

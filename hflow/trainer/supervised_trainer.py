@@ -1,0 +1,282 @@
+"""`SupervisedTrainer`: the single controller of the supervised stages, SFT (`main_sft`) and reward-model
+training (`main_rm`), on the same machinery as PPO: a worker group on Ray (or the local backend), FSDP2
+workers, resumable data order, step checkpoints, the loggers, and a Hugging Face folder at the end.
+
+    for each step:
+        batch   = next global batch of demonstrations / preference groups
+        metrics = workers.train_step(batch)              # one optimizer step, loss normalised globally
+        every trainer.test_freq steps and at the end: workers.evaluate(validation set)
+        every trainer.save_freq steps: checkpoint (model, optimizer, scheduler, RNG, data position)
+    workers.save_hf_model(trainer.hf_output_dir)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
+
+from hflow.config_schema import ConfigError, check_choice, check_positive
+from hflow.protocol import DataProto
+from hflow.single_controller.base import ClassWithInitArgs
+from hflow.trainer.checkpoints import StepCheckpoints
+from hflow.trainer.ppo.metric_utils import reduce_metrics
+from hflow.utils.tracking import Tracking, check_backends
+
+__all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
+
+
+def check_stage_config(config: DictConfig, stage: str) -> None:
+    """Impossible settings of a supervised stage, before Ray starts or any model loads."""
+    from hflow.workers.config import check_model_path
+
+    data, trainer = config.data, config.trainer
+    world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
+    check_choice(trainer.backend, ("ray", "local"), "trainer.backend")
+    if trainer.backend == "local" and world != 1:
+        raise ConfigError(f"trainer.backend=local runs one rank, but trainer.n_gpus_per_node x trainer.nnodes = {world}; "
+                          "set trainer.n_gpus_per_node=1 trainer.nnodes=1")
+    check_choice(data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
+    check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+    for key in ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "trainer.total_epochs"):
+        check_positive(OmegaConf.select(config, key), key)
+    unit = "conversations" if stage == "sft" else "preference rows"
+    if int(data.train_batch_size) % world:
+        raise ConfigError(f"data.train_batch_size={data.train_batch_size} {unit} do not split evenly over {world} "
+                          "workers (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple")
+    if config.optim.grad_clip is not None and config.optim.grad_clip <= 0:
+        raise ConfigError(f"optim.grad_clip must be positive, got {config.optim.grad_clip}")
+    check_backends(trainer.logger)
+    check_model_path(config.model.path, "model.path")
+
+
+class SupervisedTrainer:
+    """The loop shared by the supervised stages; subclasses say which worker, what a batch's global counts
+    are, and how per-row evaluation results become metrics."""
+
+    stage = ""
+    worker_cls: type = object
+
+    def __init__(self, config: DictConfig, tokenizer, train_dataset, val_dataset, collate_fn):
+        from hflow.utils.dataset import create_train_dataloader
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.val_dataset = val_dataset
+        self.collate_fn = collate_fn
+        self.train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
+        trainer_cfg = config.trainer
+        self.total_training_steps = int(trainer_cfg.total_training_steps or
+                                        len(self.train_dataloader) * int(trainer_cfg.total_epochs))
+        self.checkpoints = StepCheckpoints(trainer_cfg.default_local_dir, trainer_cfg.resume_mode,
+                                           trainer_cfg.resume_from_path, trainer_cfg.max_ckpt_to_keep)
+        self.global_steps = 0
+        self.worker_group = None
+
+    # ------------------------------------------------------------------ workers
+
+    def init_workers(self) -> None:
+        from hflow.trainer.ppo.ray_trainer import make_worker_group
+
+        with open_dict(self.config):
+            self.config.optim.total_training_steps = self.total_training_steps
+        self.worker_group = make_worker_group(self.config.trainer, ClassWithInitArgs(self.worker_cls, config=self.config),
+                                              name=f"{self.stage}_pool")
+        self.worker_group.execute_all_sync("seed_everything", int(self.config.trainer.seed))
+        self.worker_group.init_model()
+
+    def shutdown(self) -> None:
+        if self.worker_group is not None:
+            self.worker_group.shutdown()
+            self.worker_group = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, float]:
+        """Train for `total_training_steps`, export the model; returns the last validation metrics."""
+        trainer_cfg = self.config.trainer
+        tracker = Tracking(trainer_cfg.project_name, trainer_cfg.experiment_name, trainer_cfg.logger,
+                           trainer_cfg.log_dir, OmegaConf.to_container(self.config, resolve=True))
+        if trainer_cfg.save_freq > 0 or trainer_cfg.resume_mode != "disable":
+            self.checkpoints.check_shared(self.worker_group)
+        self._load_checkpoint()
+        val_metrics: dict[str, float] = {}
+        if trainer_cfg.val_before_train and self.global_steps == 0:
+            val_metrics = self.validate()
+            tracker.log(val_metrics, step=0)
+        batches = self._batches()
+        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc=self.stage)
+        while self.global_steps < self.total_training_steps:
+            self.global_steps += 1
+            is_last_step = self.global_steps >= self.total_training_steps
+            batch = DataProto.from_single_dict(next(batches))
+            batch.meta_info.update(self.batch_counts(batch))
+            started = time.perf_counter()
+            output = self.worker_group.train_step(batch)
+            elapsed = time.perf_counter() - started
+            metrics = reduce_metrics(output.meta_info["metrics"])
+            metrics["timing_s/step"] = elapsed
+            metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / elapsed
+            if is_last_step or (trainer_cfg.test_freq > 0 and self.global_steps % trainer_cfg.test_freq == 0):
+                val_metrics = self.validate()
+                metrics.update(val_metrics)
+            if trainer_cfg.save_freq > 0 and (is_last_step or self.global_steps % trainer_cfg.save_freq == 0):
+                self._save_checkpoint()
+            metrics["training/global_step"] = self.global_steps
+            metrics["training/epoch"] = self.train_dataloader.epoch
+            tracker.log(metrics, step=self.global_steps)
+            progress.update(1)
+        progress.close()
+        tracker.close()
+        self.worker_group.save_hf_model(str(Path(trainer_cfg.hf_output_dir).expanduser().resolve()))
+        print(f"{self.stage}: Hugging Face model written to {trainer_cfg.hf_output_dir}")
+        return val_metrics
+
+    def _batches(self):
+        while True:  # epoch after epoch; the loader is resumable and counts its own epochs
+            yield from self.train_dataloader
+
+    def validate(self) -> dict[str, float]:
+        from torch.utils.data import DataLoader
+
+        size = self.config.data.val_batch_size or len(self.val_dataset)
+        outputs, batches = [], []
+        for batch_dict in DataLoader(self.val_dataset, batch_size=size, shuffle=False, collate_fn=self.collate_fn):
+            batch = DataProto.from_single_dict(batch_dict)
+            outputs.append(self.worker_group.evaluate(batch))
+            batches.append(batch)
+        return self.val_metrics(DataProto.concat(batches), DataProto.concat(outputs))
+
+    # ------------------------------------------------------------------ stage specifics
+
+    def batch_counts(self, batch: DataProto) -> dict:
+        raise NotImplementedError
+
+    def val_metrics(self, batch: DataProto, output: DataProto) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self) -> None:
+        step_dir = self.checkpoints.step_dir(self.global_steps)
+        self.worker_group.save_checkpoint(str(step_dir / "model"), global_step=self.global_steps)
+        self.checkpoints.save_driver_state(self.global_steps, {"dataloader": self.train_dataloader.state_dict()})
+        self.checkpoints.commit(self.global_steps)
+
+    def _load_checkpoint(self) -> None:
+        step_dir = self.checkpoints.find()
+        if step_dir is None:
+            return
+        self.global_steps = self.checkpoints.step_of(step_dir)
+        print(f"resuming from {step_dir} (step {self.global_steps})")
+        self.worker_group.load_checkpoint(str(step_dir / "model"))
+        self.train_dataloader.load_state_dict(self.checkpoints.load_driver_state(step_dir)["dataloader"])
+
+
+class SFTTrainer(SupervisedTrainer):
+    stage = "sft"
+
+    @property
+    def worker_cls(self):
+        from hflow.workers.supervised_workers import SFTWorker
+
+        return SFTWorker
+
+    def batch_counts(self, batch: DataProto) -> dict:
+        # targets are tokens 1..T-1 (position t predicts token t+1)
+        return {"global_num_tokens": int(batch.batch["loss_mask"][:, 1:].sum())}
+
+    def val_metrics(self, batch: DataProto, output: DataProto) -> dict[str, float]:
+        tokens = float(output.batch["num_tokens"].sum())
+        return {"val/loss": float(output.batch["nll_sum"].sum()) / max(tokens, 1.0), "val/num_tokens": tokens}
+
+
+class RewardModelTrainer(SupervisedTrainer):
+    stage = "rm"
+
+    @property
+    def worker_cls(self):
+        from hflow.workers.supervised_workers import RewardModelTrainWorker
+
+        return RewardModelTrainWorker
+
+    @property
+    def group_size(self) -> int:
+        return self.val_dataset.group_size
+
+    def batch_counts(self, batch: DataProto) -> dict:
+        k = self.group_size
+        return {"group_size": k, "global_num_groups": len(batch) // k}
+
+    def val_metrics(self, batch: DataProto, output: DataProto) -> dict[str, float]:
+        from hflow.workers.supervised_workers import preference_stats
+
+        k = self.group_size
+        scores = output.batch["scores"].view(-1, k)
+        preferred = batch.batch["preferred_mask"].view(-1, k).argmax(-1)
+        stats = preference_stats(scores, preferred)
+        return {"val/loss": stats["loss"].mean().item(), "val/accuracy": stats["correct"].mean().item(),
+                "val/margin": stats["margin"].mean().item(), "val/score_mean": scores.mean().item(),
+                "val/score_std": scores.std().item()}
+
+
+
+# ---------------------------------------------------------------------------------------- entry points
+
+STAGES = {"sft": (SFTTrainer, "builtin_sft.yaml"), "rm": (RewardModelTrainer, "builtin_rm.yaml")}
+
+
+def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> None:
+    """Unset data and model paths point at the built-in RLHF task (`hflow.utils.rlhf_task`) and the
+    built-in model; with both, `config/builtin_<stage>.yaml` replaces the shipped defaults it names."""
+    from hflow.config_schema import SCHEMAS, default_config
+    from hflow.trainer.main_ppo import fill_builtin_paths
+
+    def files() -> tuple[str, str]:
+        from hflow.utils.rlhf_task import ensure_rlhf_task_data
+
+        data = ensure_rlhf_task_data()
+        return (data.sft_train, data.sft_val) if stage == "sft" else (data.rm_train, data.rm_val)
+
+    fill_builtin_paths(config, "model.path", files, STAGES[stage][1], default_config(SCHEMAS[f"{stage}_trainer"]),
+                       user_keys)
+
+
+def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
+    """Tokenizer and both datasets, tokenised on the driver: bad data stops here, before any worker."""
+    from hflow.utils.dataset.supervised import (
+        PreferenceDataset,
+        SFTDataset,
+        preference_collate_fn,
+        sft_collate_fn,
+    )
+    from hflow.workers.fsdp_workers import _load_tokenizer
+
+    model_cfg = config.model
+    tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+    if stage == "sft":
+        dataset_cls, collate = SFTDataset, sft_collate_fn(tokenizer.pad_token_id)
+    else:
+        dataset_cls, collate = PreferenceDataset, preference_collate_fn(tokenizer.pad_token_id)
+    train = dataset_cls(config.data.train_files, tokenizer, config.data, files_key="data.train_files")
+    val = dataset_cls(config.data.val_files, tokenizer, config.data, files_key="data.val_files")
+    if stage == "rm" and train.group_size != val.group_size:
+        raise ConfigError(f"data.train_files has {train.group_size} responses per row but data.val_files has "
+                          f"{val.group_size}; use the same K")
+    return STAGES[stage][0](config, tokenizer, train, val, collate)
+
+
+def run_stage(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Check, build and train one supervised stage (`sft` or `rm`); returns the last validation metrics."""
+    from hflow.config_schema import SCHEMAS, validate_config
+    from hflow.trainer.main_ppo import train
+
+    config = validate_config(config, SCHEMAS[f"{stage}_trainer"])
+    fill_builtin_stage_defaults(config, stage, user_keys)
+    check_stage_config(config, stage)
+    OmegaConf.resolve(config)
+    return train(build_stage_trainer(config, stage), config)
