@@ -29,8 +29,10 @@ amount of work whatever its policy samples. Each iteration: generate, reward, re
 loss, k3, coefficient 0.001), GRPO advantages, one AdamW step over the whole batch, on-policy: the old
 log-probs are the update's own detached ones (`reuse_update_log_probs`; TRL's only mode), so no system
 runs a separate old-log-prob pass. `--recompute-old-log-probs` adds that pass to hflow and the minimal loop.
-Prints one table (medians over the measured iterations; ratios hflow/minimal time and hflow/TRL
-throughput) and writes bench/results/grpo_step.{md,json}. Setup (TRL env, SmolLM2 conversion) is not timed.
+Prints one table (medians over the measured iterations with their min-max; ratios hflow/minimal time and
+hflow/TRL throughput) and writes bench/results/grpo_step.{md,json}. Every system of the table is measured in
+this run: a system that fails (or is not asked for) has no row and no ratio. Fewer than 5 measured
+iterations make a smoke run, labelled as such. Setup (TRL env, SmolLM2 conversion) is not timed.
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
     # TRL reports the tokens of its own batches (its sampler may order the prompts differently)
     toks = result.get("tokens_per_iteration") if isinstance(result.get("tokens_per_iteration"), list) else tokens
     rates = [t / s for t, s in zip(toks[warmup:], times)]
-    summary = {"iteration_s": statistics.median(times), "tokens_per_s": statistics.median(rates),
+    summary = {"iteration_s": statistics.median(times), "iteration_min_s": min(times),
+               "iteration_max_s": max(times), "tokens_per_s": statistics.median(rates),
                "measured_iterations": len(times)}
     for phase, values in (result.get("phases_s") or {}).items():
         if len(values) > warmup:
@@ -210,7 +213,7 @@ def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
 def table(results: dict) -> str:
     """Per system: median s/iteration, tokens/s and phase times; for hflow rows, time / minimal loop's
     time (target <= 1.15) and tokens/s / TRL's tokens/s (target >= 2)."""
-    header = ["workload", "system", "s/iter", "tok/s", *PHASES, "time vs minimal", "tok/s vs TRL"]
+    header = ["workload", "system", "s/iter [min-max]", "tok/s", *PHASES, "time vs minimal", "tok/s vs TRL"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, systems in results.items():
         minimal = systems.get("minimal", {}).get("summary")
@@ -220,8 +223,8 @@ def table(results: dict) -> str:
             if s is None:
                 lines.append(f"| {workload} | {system} | failed: {entry.get('error', '?')} |")
                 continue
-            label = system + (" (earlier run)" if entry.get("reused_from") else "")
-            cells = [workload, label, f"{s['iteration_s']:.2f}", f"{s['tokens_per_s']:.0f}"]
+            spread = f"{s['iteration_s']:.2f} [{s['iteration_min_s']:.2f}-{s['iteration_max_s']:.2f}]"
+            cells = [workload, system, spread, f"{s['tokens_per_s']:.0f}"]
             cells += [f"{s[p]:.2f}" if p in s else "-" for p in PHASES]
             is_hflow = system.startswith("hflow")
             cells.append(f"{s['iteration_s'] / minimal['iteration_s']:.2f}x" if is_hflow and minimal else "-")
@@ -241,13 +244,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="builtin,smollm2")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--iterations", type=int, default=5, help="iterations per system, warm-up included")
+    parser.add_argument("--iterations", type=int, default=7, help="iterations per system, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (hflow: one worker each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "grpo_step")
     parser.add_argument("--recompute-old-log-probs", action="store_true",
                         help="hflow and the minimal loop compute old log-probs in a pass of their own")
-    parser.add_argument("--reuse", type=Path, help="a previous report: keep its results of the systems not run now")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -287,21 +289,18 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
                     f"{raw['summary']['iteration_s']:.2f} s/iter")
 
-    if args.reuse:  # results of other systems from an earlier run of the same benchmark
-        earlier = json.loads(args.reuse.read_text())["results"]
-        for workload, systems_done in results.items():
-            for system, entry in earlier.get(workload, {}).items():
-                if system != "spec" and system not in systems_done and "summary" in entry:
-                    systems_done[system] = {**entry, "reused_from": str(args.reuse)}
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
               "warmup": args.warmup, "results": results}
     text = table({w: {k: v for k, v in r.items() if k != "spec"} for w, r in results.items()})
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    measured = args.iterations - args.warmup
+    smoke = " **Smoke run (fewer than 5 measured iterations): not a result.**" if measured < 5 else ""
     args.out.with_suffix(".md").write_text(
         f"# GRPO iteration: hflow vs TRL vs minimal loop\n\nMachine: {report['machine']}; {report['date']}; "
-        f"medians of {args.iterations - args.warmup} iterations after {args.warmup} warm-up.\n\n{text}\n")
+        f"medians [min-max] of {measured} iterations after {args.warmup} warm-up, every system measured in this "
+        f"run.{smoke}\n\n{text}\n")
     return report
 
 

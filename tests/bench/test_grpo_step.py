@@ -36,3 +36,6 @@ def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
     hflow_row = next(line for line in table.splitlines() if line.startswith("| builtin | hflow |"))
     ratio = results["hflow"]["summary"]["iteration_s"] / results["minimal"]["summary"]["iteration_s"]
     assert f"{ratio:.2f}x" in hflow_row
+    spread = results["hflow"]["summary"]
+    assert f"[{spread['iteration_min_s']:.2f}-{spread['iteration_max_s']:.2f}]" in hflow_row
+    assert "Smoke run" in table  # one measured iteration is not a result, and says so
