@@ -95,6 +95,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
+    use_remove_padding: bool = False  # actor/ref forwards on the valid tokens packed into one row
 
 
 @dataclass
@@ -253,6 +254,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = ref("actor_rollout_ref.model.trust_remote_code")
     value_head_init: str = "zero"  # zero | normal; unused when path is a reward model's folder
+    use_remove_padding: bool = False  # critic forwards on the valid tokens packed into one row
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -302,6 +304,13 @@ class RewardNormalizeConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False  # DAPO soft overlong punishment of long responses (training only)
+    len: Optional[int] = None  # the buffer's tokens before data.max_response_length; null = a fifth of it
+    penalty_factor: float = 1.0  # the penalty at data.max_response_length
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
@@ -309,6 +318,7 @@ class RewardModelConfig:
     max_length: Optional[int] = None
     reward_manager: str = "naive"
     normalize: RewardNormalizeConfig = field(default_factory=RewardNormalizeConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -329,6 +339,13 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling: drop prompt groups whose samples all score the same
+    metric: str = "score"  # score (sequence score) or a per-sample key the reward function returns (e.g. acc)
+    max_num_gen_batches: int = 10  # generation batches per step before giving up; 0 = no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -336,12 +353,15 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     use_rollout_log_probs: bool = False
     reuse_update_log_probs: bool = False
+    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights pi_old / pi_rollout on the pg loss
+    rollout_is_threshold: float = 2.0  # C, the truncation of those weights
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     reward_clip: Optional[float] = None  # clip each sequence's score to [-c, c] before the KL penalty
     stop_token: Optional[str] = None  # the reward sees each response cut after this (one-token) text
     missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

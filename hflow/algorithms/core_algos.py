@@ -423,7 +423,8 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` (`actor.policy_loss.loss_mode`).
 
     A policy loss is called as `fn(old_log_prob, log_prob, advantages, response_mask,
-    loss_agg_mode="token-mean", config=None, global_batch_info=None)` and returns
+    loss_agg_mode="token-mean", config=None, global_batch_info=None)` (plus `rollout_is_weights=` when
+    algorithm.rollout_is is on: detached (bs, L) factors of the per-token loss) and returns
     `(loss, metrics)` with detached scalar metrics `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`.
     `config` is the actor config (a mapping or an object with attributes) holding `clip_ratio`,
     `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`.
@@ -462,6 +463,11 @@ def _clip_ranges(config: Mapping[str, Any] | Any | None) -> tuple[float, float]:
     return _config_value(config, "clip_ratio_low", clip_ratio), _config_value(config, "clip_ratio_high", clip_ratio)
 
 
+def _apply_rollout_is(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """The per-token loss times the rollout-correction weights (constants: no gradient through them)."""
+    return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -473,6 +479,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clipping and dual clip.
 
@@ -484,7 +491,8 @@ def compute_policy_loss(
     for A >= 0 the lower bound would be a no-op in the wrong direction, so it applies only to A < 0.
     Returns `(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`: the fraction of valid tokens where
     the ratio clip is active, the approximate KL mean(old - new), and the fraction where the dual clip
-    is active. Clipped tokens pass zero gradient.
+    is active. Clipped tokens pass zero gradient. `rollout_is_weights` (bs, L), when given, scale the
+    per-token loss before aggregation (truncated importance sampling, see `compute_rollout_is_weights`).
     """
     cliprange_low = cliprange if cliprange_low is None else cliprange_low
     cliprange_high = cliprange if cliprange_high is None else cliprange_high
@@ -507,6 +515,7 @@ def compute_policy_loss(
     loss_mat = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
     pg_clipfrac_lower = masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask).detach()
 
+    loss_mat = _apply_rollout_is(loss_mat, rollout_is_weights)
     pg_loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_batch_info)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -520,6 +529,7 @@ def vanilla_policy_loss(
     loss_agg_mode: str = "token-mean",
     config: Mapping[str, Any] | Any | None = None,
     global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`compute_policy_loss` with the clip ratios read from the actor config."""
     low, high = _clip_ranges(config)
@@ -533,6 +543,7 @@ def vanilla_policy_loss(
         clip_ratio_c=_config_value(config, "clip_ratio_c", 3.0),
         loss_agg_mode=loss_agg_mode,
         global_batch_info=global_batch_info,
+        rollout_is_weights=rollout_is_weights,
     )
     return pg_loss, {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower}
 
@@ -546,6 +557,7 @@ def gspo_policy_loss(
     loss_agg_mode: str = "token-mean",
     config: Mapping[str, Any] | Any | None = None,
     global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Sequence Policy Optimization (Zheng et al. 2025), token form (GSPO-token, eq. 13-14).
 
@@ -562,7 +574,7 @@ def gspo_policy_loss(
 
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    loss_mat = _apply_rollout_is(torch.maximum(unclipped, clipped), rollout_is_weights)
     pg_loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_batch_info)
     metrics = {
         "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).detach(),
@@ -581,10 +593,12 @@ def gpg_policy_loss(
     loss_agg_mode: str = "token-mean",
     config: Mapping[str, Any] | Any | None = None,
     global_batch_info: GlobalBatchInfo | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Policy Gradient (Chu et al. 2025): the plain policy-gradient loss -A * log_prob, no ratio
     and no clipping (`old_log_prob` only feeds the `ppo_kl` metric)."""
-    pg_loss = agg_loss(-advantages * log_prob, response_mask, loss_agg_mode, global_batch_info)
+    loss_mat = _apply_rollout_is(-advantages * log_prob, rollout_is_weights)
+    pg_loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_batch_info)
     zero = torch.zeros((), device=log_prob.device)
     metrics = {
         "pg_clipfrac": zero,
@@ -592,6 +606,69 @@ def gpg_policy_loss(
         "pg_clipfrac_lower": zero,
     }
     return pg_loss, metrics
+
+
+# ==================================================================================================
+# Rollout correction
+# ==================================================================================================
+
+
+class RolloutISLevel(enum.StrEnum):
+    """Names accepted by `algorithm.rollout_is` (null = off)."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+@torch.no_grad()
+def compute_rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance-sampling weights for the gap between the sampler and the trainer.
+
+    The sampler (vLLM: other kernels, bf16, or weights one update older with trainer.async_steps=1) draws
+    y from pi_rollout, while the loss assumes pi_old. Reweighting each token's loss by pi_old / pi_rollout,
+    truncated at C = `threshold` to bound the variance (IMPALA / TIS), corrects the expectation:
+
+        token:    w_t = min(pi_old(y_t) / pi_rollout(y_t), C)
+        sequence: w   = min(prod_t pi_old(y_t) / pi_rollout(y_t), C) over the valid tokens, on every token
+
+    The product is a sum of log-ratios, truncated at log C before `exp` so it cannot overflow.
+    Returns `(weights, metrics)`: weights (bs, L), 0 outside `response_mask`; metrics `rollout_is/mean`,
+    `rollout_is/max` over valid tokens and `rollout_is/clipped_frac`, the share of valid tokens (token
+    level) or of sequences with a valid token (sequence level) whose raw ratio exceeded C.
+    """
+    if threshold <= 0:
+        raise ValueError(f"rollout_is threshold must be > 0, got {threshold}")
+    valid = response_mask.bool()
+    # Padding may hold anything (the sampler writes 0.0 there): keep it out of sums and of exp.
+    log_ratio = torch.where(valid, old_log_prob.float() - rollout_log_prob.float(), 0.0)
+    log_c = float(np.log(threshold))
+    if level == RolloutISLevel.TOKEN:
+        clipped = (log_ratio > log_c) & valid
+        weights = torch.exp(log_ratio.clamp(max=log_c))
+        clipped_frac = clipped.sum() / valid.sum().clamp(min=1)
+    elif level == RolloutISLevel.SEQUENCE:
+        seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True)
+        has_tokens = valid.any(dim=-1, keepdim=True)
+        clipped = (seq_log_ratio > log_c) & has_tokens
+        weights = torch.exp(seq_log_ratio.clamp(max=log_c)).expand_as(log_ratio)
+        clipped_frac = clipped.sum() / has_tokens.sum().clamp(min=1)
+    else:
+        raise ValueError(f"Unknown rollout_is level {level!r}; known levels: {', '.join(RolloutISLevel)}")
+    weights = torch.where(valid, weights, 0.0)
+    if not valid.any():
+        return weights, {"rollout_is/mean": 1.0, "rollout_is/max": 1.0, "rollout_is/clipped_frac": 0.0}
+    metrics = {
+        "rollout_is/mean": weights[valid].mean().item(),
+        "rollout_is/max": weights[valid].max().item(),
+        "rollout_is/clipped_frac": clipped_frac.item(),
+    }
+    return weights, metrics
 
 
 # ==================================================================================================

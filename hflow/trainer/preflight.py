@@ -28,6 +28,7 @@ from hflow.config_schema import (
     check_train_batch,
     per_rank_mini_batch,
 )
+from hflow.trainer.ppo.dapo import check_dapo_config
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import check_ema, check_model_path, check_ptx, check_value_head
 
@@ -100,6 +101,7 @@ def preflight_check(config: DictConfig) -> None:
                 "algorithm.use_kl_in_reward=false")
     if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
         raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
+    check_rollout_is(algo, rollout)
     if algo.adv_estimator == "gae" and config.critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
                           "(by default it is the actor's model)")
@@ -168,6 +170,7 @@ def preflight_check(config: DictConfig) -> None:
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
     check_reward_shaping(config)
+    check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
     check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
     cpus = int(trainer.cpus_per_worker)
@@ -260,3 +263,24 @@ def check_reward_sources(config: DictConfig) -> None:
                 raise ConfigError(
                     f"{files_key}: {path} has data_source {unknown[0]!r}, which has no built-in scorer "
                     f"(known: {sorted(SCORERS)}); set custom_reward_function.path (and .name) to your scoring function")
+
+
+def check_rollout_is(algo: DictConfig, rollout: DictConfig) -> None:
+    """algorithm.rollout_is weighs pi_old (recomputed by the actor) against the sampler's log-probs:
+    both must exist and differ in origin."""
+    level = algo.get("rollout_is")
+    if level is None:
+        return
+    check_choice(level, [e.value for e in core_algos.RolloutISLevel], "algorithm.rollout_is")
+    if float(algo.rollout_is_threshold) <= 0:
+        raise ConfigError(
+            f"algorithm.rollout_is_threshold must be > 0 (>= 1 is sensible), got {algo.rollout_is_threshold}")
+    if not rollout.calculate_log_probs:
+        raise ConfigError("algorithm.rollout_is needs the sampler's log-probs: set "
+                          "actor_rollout_ref.rollout.calculate_log_probs=true")
+    if algo.use_rollout_log_probs:
+        raise ConfigError("algorithm.rollout_is with algorithm.use_rollout_log_probs=true: the old log-probs are then "
+                          "the sampler's, so there is nothing to correct; set one of them off")
+    if algo.reuse_update_log_probs:
+        raise ConfigError("algorithm.rollout_is needs old log-probs recomputed by the actor, which "
+                          "algorithm.reuse_update_log_probs=true skips; set one of them off")

@@ -83,6 +83,8 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
         check_positive(cfg.ref.log_prob_micro_batch_size_per_gpu, f"{prefix}.ref.log_prob_micro_batch_size_per_gpu")
     if role != "ref":  # every other role builds the actor's model
         check_offload(cfg.actor.fsdp_config, f"{prefix}.actor.fsdp_config")
+    # The model-level flag, where DataParallelPPOActor reads it (the actor and the reference share it).
+    cfg.actor.use_remove_padding = cfg.ref.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
     if role in ("ref", "actor_rollout_ref"):
         check_offload(cfg.ref.fsdp_config, f"{prefix}.ref.fsdp_config")
     return cfg
@@ -134,6 +136,7 @@ def normalize_critic(config: DictConfig, world_size: int) -> DictConfig:
         check_positive(cfg.forward_micro_batch_size_per_gpu, "critic.forward_micro_batch_size_per_gpu")
     check_positive(cfg.ppo_epochs, "critic.ppo_epochs")
     check_offload(cfg.model.fsdp_config, "critic.model.fsdp_config")
+    cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))  # where DataParallelPPOCritic reads it
     return cfg
 
 

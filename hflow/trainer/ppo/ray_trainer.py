@@ -26,7 +26,7 @@ from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
 from hflow.config_schema import placement_pools
-from hflow.trainer.ppo import reward_shaping
+from hflow.trainer.ppo import dapo, reward_shaping
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -36,6 +36,7 @@ from hflow.trainer.ppo.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from hflow.utils.errors import UserError
 from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
 
@@ -346,25 +347,12 @@ class RayPPOTrainer:
         """One PPO/GRPO iteration on a batch of prompts and their sampled responses: the steps below, in
         the order of the algorithm (step 1, generation, is `_next_rollout`)."""
         algo = self.config.algorithm
-        n = self.config.actor_rollout_ref.rollout.n
-        batch, gen_output = rollout.batch, rollout.output
         metrics: dict[str, float] = {}
-        if algo.adv_estimator == core_algos.AdvantageEstimator.REMAX:
-            with timer("gen_max", timing):
-                batch.batch["reward_baselines"] = self._greedy_baseline(batch, rollout.gen_batch)
-
-        # 2. one group id per prompt, then align prompts with their n samples
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        batch = batch.repeat(n, interleave=True).union(gen_output)
-        batch.batch["response_mask"] = compute_response_mask(batch)
+        # 2-3. group ids, samples aligned with their prompts, rewards
+        batch, reward = self._scored_batch(rollout, metrics, timing)
+        if algo.filter_groups.enable:  # DAPO dynamic sampling: train only on groups whose samples differ
+            batch = self._fill_batch_with_informative_groups(batch, reward, metrics, timing)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
-
-        # 3. reward (of each response cut after algorithm.stop_token, when set)
-        with timer("reward", timing):
-            batch.batch["token_level_scores"], reward, score_metrics = self._score(batch, self.reward_fn)
-        metrics.update(score_metrics)
-        metrics.update(reward.get("reward_metrics", {}))
-        metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
 
         # 4. old log-probs: the sampled responses under the policy before this update (with
         #    trainer.async_steps=1 that is the actor now, one update newer than the sampler)
@@ -381,6 +369,11 @@ class RayPPOTrainer:
             batch = batch.union(old_log_prob)
             if "rollout_log_probs" in batch.batch:
                 metrics.update(_rollout_vs_training_metrics(batch))
+            if algo.get("rollout_is") is not None:  # correct for the sampler's probabilities (preflight: present here)
+                batch.batch["rollout_is_weights"], is_metrics = core_algos.compute_rollout_is_weights(
+                    batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"],
+                    level=algo.rollout_is, threshold=float(algo.rollout_is_threshold))
+                metrics.update(is_metrics)
 
         # 5. reference log-probs and values
         if self.use_reference_policy:
@@ -421,6 +414,63 @@ class RayPPOTrainer:
         rollout.batch = batch  # with every column the step added, for the step's summary metrics
         return metrics
 
+    def _scored_batch(self, rollout: PendingRollout, metrics: dict[str, float],
+                      timing: dict[str, float]) -> tuple[DataProto, dict]:
+        """Steps 2 and 3: one group id per prompt, prompts aligned with their n samples, and the samples'
+        `token_level_scores` (of each response cut after algorithm.stop_token, when set). Returns the
+        batch and the reward function's full result; adds the reward metrics to `metrics`."""
+        batch = rollout.batch
+        if self.config.algorithm.adv_estimator == core_algos.AdvantageEstimator.REMAX:
+            with timer("gen_max", timing):
+                batch.batch["reward_baselines"] = self._greedy_baseline(batch, rollout.gen_batch)
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch = batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(rollout.output)
+        batch.batch["response_mask"] = compute_response_mask(batch)
+        with timer("reward", timing):
+            batch.batch["token_level_scores"], reward, score_metrics = self._score(batch, self.reward_fn)
+        metrics.update(score_metrics)
+        metrics.update(reward.get("reward_metrics", {}))
+        metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
+        return batch, reward
+
+    def _fill_batch_with_informative_groups(self, batch: DataProto, reward: dict, metrics: dict[str, float],
+                                            timing: dict[str, float]) -> DataProto:
+        """DAPO dynamic sampling (`algorithm.filter_groups`): keep the prompt groups whose samples' metric
+        is not all equal; while fewer than data.train_batch_size are kept, draw, generate and score the
+        next batch of prompts. The kept groups are trimmed to exactly data.train_batch_size. Drawing
+        moves the data loader, so a checkpoint after this step resumes after the last batch drawn.
+        Reward metrics are the first generation batch's; the step's data metrics are the kept batch's."""
+        cfg = self.config.algorithm.filter_groups
+        wanted, limit = int(self.config.data.train_batch_size), int(cfg.max_num_gen_batches)
+        kept, num_kept, num_groups, num_gen = [], 0, 0, 1
+        while True:
+            uids = batch.non_tensor_batch["uid"]
+            values = dapo.group_metric_values(cfg.metric, batch.batch["token_level_scores"],
+                                              reward.get("reward_extra_info", {}))
+            keep = dapo.informative_groups(uids, values)
+            if keep.any():
+                kept.append(batch.select_idxs(keep))
+            num_groups += len(set(uids))
+            num_kept += len(set(uids[keep]))
+            if num_kept >= wanted:
+                break
+            if 0 < limit <= num_gen:
+                raise UserError(
+                    f"algorithm.filter_groups: {num_gen} generation batches (algorithm.filter_groups.max_num_gen_batches"
+                    f"={limit}) gave only {num_kept} of the data.train_batch_size={wanted} prompt groups whose samples "
+                    f"differ in {cfg.metric!r}; the prompts are too hard or too easy for the policy. Raise "
+                    "max_num_gen_batches (0 = no limit), use more samples per prompt (actor_rollout_ref.rollout.n), "
+                    "or other data")
+            with timer("gen", timing):
+                more = self._start_rollout()
+                more.output = more.call.result()
+            more.output.meta_info.pop("metrics", None)
+            batch, reward = self._scored_batch(more, {}, timing)
+            num_gen += 1
+        metrics["train/num_gen_batches"] = num_gen
+        metrics["train/filtered_groups_frac"] = 1.0 - num_kept / num_groups  # of all groups generated this step
+        return dapo.take_groups(DataProto.concat(kept), wanted)
+
     def _step_summary(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
         metrics = compute_data_metrics(batch, use_critic=self.use_critic,
                                        max_prompt_length=self.config.data.max_prompt_length)
@@ -443,7 +493,8 @@ class RayPPOTrainer:
 
         The reward model (its scores normalised when `reward_model.normalize` is on) and `reward_fn` see
         each response cut after `algorithm.stop_token`; a response without it then scores
-        `algorithm.missing_stop_penalty` (when set). `batch` itself stays as generated.
+        `algorithm.missing_stop_penalty` (when set). With `reward_model.overlong_buffer` on, long responses
+        lose DAPO's soft overlong penalty. `batch` itself stays as generated.
         """
         view, has_stop = batch, None
         if self.stop_token_id is not None:
@@ -451,10 +502,16 @@ class RayPPOTrainer:
         if self.use_rm:
             view = view.union(self._rm_scores(view))
         reward = reward_fn(view, return_dict=True)
-        if has_stop is None:
-            return reward["reward_tensor"], reward, {}
-        scores, metrics = reward_shaping.finish_stop_token_scores(
-            reward["reward_tensor"], compute_response_mask(batch), has_stop, self.config.algorithm.missing_stop_penalty)
+        scores, metrics = reward["reward_tensor"], {}
+        if has_stop is not None:
+            scores, metrics = reward_shaping.finish_stop_token_scores(
+                scores, compute_response_mask(batch), has_stop, self.config.algorithm.missing_stop_penalty)
+        overlong = self.config.reward_model.overlong_buffer
+        if overlong.enable:  # DAPO: by the generated length (training only; validation scores the task alone)
+            scores, overlong_metrics = dapo.apply_overlong_penalty(
+                scores, compute_response_mask(batch), int(self.config.data.max_response_length),
+                dapo.overlong_buffer_len(overlong.len, self.config.data.max_response_length), float(overlong.penalty_factor))
+            metrics.update(overlong_metrics)
         return scores, reward, metrics
 
     def _rm_scores(self, batch: DataProto) -> DataProto:

@@ -3,7 +3,11 @@
 Shapes: a batch row is a left-padded prompt followed by a right-padded response, `input_ids`
 (B, T) with T = P + L and `responses` (B, L). The logit at position t predicts token t+1, so the
 response tokens are scored by the logits at positions T-L-1 ... T-2. Only those L positions go
-through the LM head (`logits_to_keep`); the prompt positions' logits are never built.
+through the LM head (`logits_to_keep`); the prompt positions' logits are never built. With
+`use_remove_padding` (the worker copies `model.use_remove_padding` into the actor's and reference's
+configs) each micro-batch's valid tokens run as one packed row (`hflow.utils.packing`), only the
+valid response tokens' scoring positions go through the LM head, and the results are scattered back
+to (B, L): the padded path's values, 0 at padded response tokens.
 
 Loss scaling. A mini-batch (one optimizer step) is split across the data-parallel ranks and, on
 each rank, into micro-batches (one backward each). Every loss term is aggregated with the
@@ -40,6 +44,7 @@ from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_lo
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
 from hflow.utils.ema import ParamEMA
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
+from hflow.utils.packing import pack_micro_batch
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hflow.workers.actor.base import BasePPOActor
@@ -122,19 +127,24 @@ class DataParallelPPOActor(BasePPOActor):
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`."""
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
-        scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
-        logits = self.actor_module(
-            input_ids=micro_batch["input_ids"],
-            attention_mask=micro_batch["attention_mask"],
-            position_ids=micro_batch["position_ids"],
-            use_cache=False,
-            logits_to_keep=scoring_positions,
-        ).logits
+        packed = None
+        if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
+            packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
+            inputs = {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids}
+            scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
+        else:
+            inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+            scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
+            labels = responses
+        logits = self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
         # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
         # FSDP has hooked the output tensor, which an in-place op must not replace.
         logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
-        log_probs = logprobs_from_logits(logits, responses)
+        log_probs = logprobs_from_logits(logits, labels)
         entropy = entropy_from_logits(logits) if calculate_entropy else None  # fp32, block-wise like the log-probs
+        if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
+            log_probs = packed.unpack_response(log_probs[0])
+            entropy = packed.unpack_response(entropy[0]) if entropy is not None else None
         return log_probs, entropy
 
     @torch.no_grad()
@@ -180,6 +190,8 @@ class DataParallelPPOActor(BasePPOActor):
         keys = [*_FORWARD_KEYS, "advantages"]
         if "old_log_probs" in data.batch.keys():
             keys.append("old_log_probs")
+        if "rollout_is_weights" in data.batch.keys():  # algorithm.rollout_is: computed by the trainer
+            keys.append("rollout_is_weights")
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
         if "response_mask" in data.batch.keys():
@@ -200,6 +212,9 @@ class DataParallelPPOActor(BasePPOActor):
             log_prob, entropy = self._forward_micro_batch(
                 micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0
             )
+            # Passed only when present, so that custom losses without the keyword keep working.
+            is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
+                          if "rollout_is_weights" in micro_batch.keys() else {})
             pg_loss, pg_metrics = self.policy_loss_fn(
                 old_log_prob=micro_batch["old_log_probs"] if "old_log_probs" in micro_batch.keys() else log_prob.detach(),
                 log_prob=log_prob,
@@ -208,6 +223,7 @@ class DataParallelPPOActor(BasePPOActor):
                 loss_agg_mode=cfg.loss_agg_mode,
                 config=cfg,
                 global_batch_info=info,
+                **is_weights,
             )
             loss = pg_loss
             step.add_loss("actor/pg_loss", pg_loss)

@@ -3,7 +3,9 @@
 The value model (`fsdp_utils.load_value_model`) outputs one scalar per position; V at position t is
 the value of the state after reading token t, so the state before response token j is position
 T-L-1+j, the same window the actor scores. Values are zero outside the response mask, which is also
-what the loss counts, so advantages (GAE) and the value loss see the same tokens.
+what the loss counts, so advantages (GAE) and the value loss see the same tokens. With
+`use_remove_padding` (copied from `critic.model` by the worker) the forward runs on the valid tokens
+packed into one row (`hflow.utils.packing`), with the same values.
 
 Mini-batches, micro-batches and loss scaling follow the actor exactly (see `dp_actor`'s module
 docstring): every loss is normalised by the mini-batch's token (or sequence) count over all ranks
@@ -23,6 +25,7 @@ from torch.optim import Optimizer
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, compute_value_loss
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
+from hflow.utils.packing import pack_micro_batch
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import masked_mean
 from hflow.workers.actor.dp_actor import StepMetrics, response_mask_of
@@ -47,6 +50,12 @@ class DataParallelPPOCritic(BasePPOCritic):
     def _forward_micro_batch(self, micro_batch: TensorDict) -> torch.Tensor:
         """V of the state before each response token, (B, L), fp32."""
         response_length, seq_len = micro_batch["responses"].shape[-1], micro_batch["input_ids"].shape[-1]
+        if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
+            packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
+            values = self.critic_module(
+                input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False
+            ).logits
+            return packed.unpack_response(values[0, packed.scoring_positions, 0].float())  # 0 at padded responses
         values = self.critic_module(
             input_ids=micro_batch["input_ids"],
             attention_mask=micro_batch["attention_mask"],
