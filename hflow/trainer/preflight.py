@@ -30,7 +30,7 @@ from hflow.config_schema import (
 )
 from hflow.trainer.ppo.dapo import check_dapo_config
 from hflow.utils.tracking import check_backends
-from hflow.workers.config import check_ema, check_model_path, check_ptx, check_value_head
+from hflow.workers.config import check_ema, check_lora, check_model_path, check_ptx, check_value_head
 
 
 def _files(value) -> list[str]:
@@ -69,6 +69,7 @@ def preflight_check(config: DictConfig) -> None:
     _check_files(data.train_files, "data.train_files")
     _check_files(data.val_files, "data.val_files")
     check_model_path(arr.model.path, "actor_rollout_ref.model.path")
+    check_lora(arr, "actor_rollout_ref")
     if config.custom_reward_function.path is not None and not Path(
             str(config.custom_reward_function.path)).expanduser().is_file():
         raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")

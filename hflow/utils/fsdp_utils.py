@@ -46,6 +46,7 @@ from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_
 
 __all__ = [
     "apply_fsdp2",
+    "apply_lora",
     "build_device_mesh",
     "build_lr_scheduler",
     "build_optimizer",
@@ -55,6 +56,7 @@ __all__ = [
     "default_mixed_precision",
     "enable_gradient_checkpointing",
     "fsdp_clip_grad_norm",
+    "is_lora_model",
     "is_sequence_classifier",
     "iter_full_params",
     "load_causal_lm",
@@ -74,6 +76,9 @@ logger = logging.getLogger(__name__)
 # Name segments that wrappers (FSDP1, torch activation checkpointing, torch.compile) insert into
 # parameter names; Hugging Face checkpoints and vLLM know the names without them.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# PEFT's: the wrapped model sits under `base_model.model.`, a LoRA linear's own weight under `.base_layer`.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_BASE_LAYER = ".base_layer."
 
 # Seed of the value head's initialisation (see `load_value_model`).
 _VALUE_HEAD_SEED = 0
@@ -370,6 +375,22 @@ def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[
         dist.broadcast(buffer, src=0)
 
 
+def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | Iterable[str] = "all-linear") -> nn.Module:
+    """`model` wrapped by PEFT with a LoRA adapter of `rank` on `target_modules` ("all-linear": every linear
+    layer but the output head); call before `apply_fsdp2`. Only the adapter's `lora_A` / `lora_B` require
+    gradients, so an optimizer built from the trainable parameters holds nothing else. The base model stays
+    reachable unchanged: `with model.disable_adapter():` computes the initial policy (the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    return get_peft_model(model, LoraConfig(r=int(rank), lora_alpha=alpha, target_modules=targets, bias="none"))
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    """Whether `model` carries LoRA adapters (`apply_lora`)."""
+    return any(_lora_factors_of(module) is not None for module in model.modules())
+
+
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in backward; call before `apply_fsdp2`.
 
@@ -496,10 +517,39 @@ def clip_grad_norm_and_step(model: nn.Module, optimizer: Optimizer, max_norm: fl
 
 
 def clean_param_name(name: str) -> str:
-    """The Hugging Face checkpoint name of a (possibly wrapped) module's parameter or buffer."""
+    """The Hugging Face checkpoint name of a (possibly wrapped, possibly PEFT) module's parameter or buffer."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
-    return name
+    return name.removeprefix(_PEFT_PREFIX).replace(_PEFT_BASE_LAYER, ".")
+
+
+def _lora_factors_of(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, float, bool] | None:
+    """(A, B, scaling, fan_in_fan_out) of a PEFT LoRA linear's active adapter, else None (duck-typed, so
+    models without adapters never import peft)."""
+    lora_a = getattr(module, "lora_A", None)
+    if getattr(module, "base_layer", None) is None or not isinstance(lora_a, nn.ModuleDict):
+        return None
+    if getattr(module, "lora_embedding_A", None):
+        raise NotImplementedError("LoRA on embeddings is not supported; leave them out of target_modules")
+    active = [name for name in module.active_adapters if name in lora_a]
+    if len(active) != 1:
+        raise NotImplementedError(f"one active LoRA adapter per layer is supported, found {active}")
+    name = active[0]
+    return lora_a[name].weight, module.lora_B[name].weight, float(module.scaling[name]), bool(module.fan_in_fan_out)
+
+
+def _lora_weights(model: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter, float, bool]]:
+    """HF name of each LoRA-wrapped linear's base weight -> its adapter's factors."""
+    factors = {}
+    for module_name, module in model.named_modules():
+        found = _lora_factors_of(module)
+        if found is not None:
+            factors[clean_param_name(f"{module_name}.base_layer.weight")] = found
+    return factors
+
+
+def _is_lora_param(name: str) -> bool:
+    return ".lora_" in name
 
 
 @torch.no_grad()
@@ -511,12 +561,25 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     HF and vLLM loaders re-tie it. Each sharded parameter is all-gathered when the consumer asks for it,
     so at most one full tensor exists beside the shards; every rank must consume the generator in the
     same order (each gather is a collective).
+
+    A LoRA model (`apply_lora`) yields the base model's names and shapes with the adapters merged in:
+    W + scaling * B @ A for each wrapped linear, and no `lora_*` tensor -- what vLLM, the weight stream
+    and a Hugging Face export need, since none of them knows the adapters.
     """
     reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
     compute_device = device.get_device()
-    for name, tensor in _named_weights(model):
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
         # Shards kept on the host (CPUOffloadPolicy) are gathered on the device, not by a host collective.
-        full = tensor.to(compute_device).full_tensor() if isinstance(tensor, DTensor) else tensor
+        return tensor.to(compute_device).full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    lora = _lora_weights(model)
+    for name, tensor in _named_weights(model):
+        full = gather(tensor)
+        if name in lora:
+            lora_a, lora_b, scaling, fan_in_fan_out = lora[name]
+            delta = gather(lora_b).to(full.dtype) @ gather(lora_a).to(full.dtype)
+            full = full + scaling * (delta.T if fan_in_fan_out else delta)
         yield name, full.detach()
 
 
@@ -526,9 +589,10 @@ def full_param_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dty
 
 
 def _named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (sharded or not; tied ones once) and persistent buffers under their HF names."""
+    """Parameters (sharded or not; tied ones once; no LoRA factors) and persistent buffers under their HF names."""
     for name, param in model.named_parameters():
-        yield clean_param_name(name), param
+        if not _is_lora_param(name):
+            yield clean_param_name(name), param
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer_name in module._non_persistent_buffers_set:

@@ -69,6 +69,7 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
         check_positive(actor.ppo_epochs, f"{prefix}.actor.ppo_epochs")
         check_ptx(actor.ptx, f"{prefix}.actor.ptx")
         check_ema(actor.ema, f"{prefix}.actor.ema")
+        check_lora(cfg, prefix)
     if cfg.rollout.dtype is None:  # the engine's dtype, and the weight stream's: the device's compute dtype
         from hflow.utils.device import compute_dtype
 
@@ -104,6 +105,23 @@ def check_ptx(ptx: Any, prefix: str) -> None:
                           f"{prefix}.batch_size_per_gpu ({ptx.batch_size_per_gpu})")
     if int(ptx.max_length) < 2:
         raise ConfigError(f"{prefix}.max_length must be >= 2 tokens (one predicts the next), got {ptx.max_length}")
+
+
+def check_lora(arr: Any, prefix: str) -> None:
+    """`model.lora_rank` is 0 (off) or positive, with an alpha and targets; the EMA of the weights is not
+    kept for adapters."""
+    model = arr.model
+    rank = int(model.get("lora_rank", 0) or 0)
+    if rank < 0:
+        raise ConfigError(f"{prefix}.model.lora_rank must be >= 0 (0 = no LoRA), got {rank}")
+    if rank == 0:
+        return
+    if float(model.lora_alpha) <= 0:
+        raise ConfigError(f"{prefix}.model.lora_alpha must be > 0, got {model.lora_alpha}")
+    if not model.target_modules:
+        raise ConfigError(f"{prefix}.model.target_modules is empty; use all-linear or a list of module names")
+    if arr.actor.ema.enable:
+        raise ConfigError(f"{prefix}.actor.ema.enable=true is not supported with {prefix}.model.lora_rank > 0")
 
 
 def check_ema(ema: Any, prefix: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 from omegaconf import DictConfig
@@ -86,7 +87,8 @@ class _FSDPModelHolder:
         if not train:
             module.requires_grad_(False)
             return module, None, None
-        optimizer = fsdp_utils.build_optimizer(module.parameters(), optim_config)
+        # frozen parameters (a LoRA model's base weights) get no optimizer state
+        optimizer = fsdp_utils.build_optimizer([p for p in module.parameters() if p.requires_grad], optim_config)
         scheduler = fsdp_utils.build_lr_scheduler(optimizer, optim_config, optim_config.total_training_steps)
         return module, optimizer, scheduler
 
@@ -123,7 +125,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self.role = role
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        # With LoRA the reference policy is the actor's own base model, its adapters switched off: the actor
+        # answers compute_ref_log_prob and no second copy of the model is loaded.
+        self._ref_in_actor = self._is_actor and int(config.model.get("lora_rank", 0) or 0) > 0
+        self._is_ref = role in ("ref", "actor_rollout_ref") or self._ref_in_actor
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -137,7 +142,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         actor_fsdp = self.config.actor.fsdp_config
         self._offload_param = self._is_actor and actor_fsdp.param_offload
         self._offload_optim = self._is_actor and actor_fsdp.optimizer_offload
-        self._offload_ref_param = self._is_ref and self.config.ref.fsdp_config.param_offload
+        self._offload_ref_param = self._is_ref and not self._ref_in_actor and self.config.ref.fsdp_config.param_offload
 
         if self._is_actor or self._is_rollout:
             module = fsdp_utils.load_causal_lm(
@@ -150,6 +155,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             )
             self.hf_config = module.config
             self.generation_config = module.generation_config
+            if self._ref_in_actor:  # adapters before sharding, so FSDP2 shards them with their layers
+                module = fsdp_utils.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha,
+                                               model_cfg.target_modules)
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
@@ -175,7 +183,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                 contents=self.config.actor.checkpoint.contents, stateful=stateful, sharded_state=ema,
                 hf_exports={"ema_huggingface": self._write_ema_hf_model} if ema else None,
             )
-        if self._is_ref:
+        if self._is_ref and self._ref_in_actor:
+            from hflow.workers.actor import DataParallelPPOActor
+
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self.actor_module)
+        elif self._is_ref:
             from hflow.workers.actor import DataParallelPPOActor
 
             ref_module = fsdp_utils.load_causal_lm(
@@ -266,10 +278,15 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Log-probs of the responses under the frozen reference policy: `ref_log_prob`."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
-        self._onload(self.ref_module, None, self._offload_ref_param, False)
+        if self._ref_in_actor:  # LoRA: the base model is the reference
+            module, offload, context = self.actor_module, self._offload_param, self.actor_module.disable_adapter()
+        else:
+            module, offload, context = self.ref_module, self._offload_ref_param, nullcontext()
+        self._onload(module, None, offload, False)
         self._log_prob_meta(data, self.config.ref)
-        log_probs, _ = self.ref_policy.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
-        self._offload(self.ref_module, None, self._offload_ref_param, False)
+        with context:
+            log_probs, _ = self.ref_policy.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
+        self._offload(module, None, offload, False)
         return DataProto.from_dict({"ref_log_prob": log_probs.cpu()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

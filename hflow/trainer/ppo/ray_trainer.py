@@ -205,7 +205,9 @@ class RayPPOTrainer:
             ActorRolloutRefWorker, config=arr, role="actor" if rollout_nodes else "actor_rollout")}
         if self.use_critic:
             roles[Role.Critic.value] = ClassWithInitArgs(CriticWorker, config=self.config.critic)
-        if self.use_reference_policy:
+        # LoRA: the actor answers the reference's log-probs with its adapters off (no second model)
+        ref_in_actor = self.use_reference_policy and int(arr.model.lora_rank) > 0
+        if self.use_reference_policy and not ref_in_actor:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.use_rm:
             roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
@@ -231,6 +233,8 @@ class RayPPOTrainer:
         for wg in (self.critic_wg, self.ref_policy_wg, self.rm_wg, self.actor_rollout_wg):
             if wg is not None:
                 wg.init_model()
+        if ref_in_actor:
+            self.ref_policy_wg = self.actor_rollout_wg
         if rollout_init is not None:
             rollout_init.result()
             self._connect_weight_stream()
