@@ -538,9 +538,7 @@ class RewardModelWorker(Worker):
         """The classifier's output at each sequence's last valid token."""
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        per_token = self._per_token_scores  # (B, T, 1), set by the head's forward hook
-        last = _last_valid_index(attention_mask)
-        return per_token[torch.arange(len(last)), last, 0].float()
+        return last_token_scores(self._per_token_scores, attention_mask)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
@@ -563,6 +561,13 @@ class RewardModelWorker(Worker):
         has_response = response_mask.sum(-1) > 0
         rm_scores[torch.arange(len(data))[has_response], last[has_response]] = scores[has_response]
         return DataProto.from_dict({"rm_scores": rm_scores})
+
+
+def last_token_scores(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) fp32: a classifier head's per-position output (B, T, 1) -- captured by a forward hook on the head --
+    read at each row's last valid token (the attention mask decides, never the pad id)."""
+    last = _last_valid_index(attention_mask)
+    return per_token[torch.arange(len(last), device=per_token.device), last, 0].float()
 
 
 def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:

@@ -27,17 +27,11 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import check_model_path, resolved_copy
-from hflow.workers.fsdp_workers import _FSDPModelHolder, _last_valid_index, _load_tokenizer, _memory_metrics
+from hflow.workers.fsdp_workers import _FSDPModelHolder, _load_tokenizer, _memory_metrics, last_token_scores
 
 __all__ = ["SFTWorker", "RewardModelTrainWorker", "last_token_scores"]
 
 _SCORE_HEAD_SEED = 2024
-
-
-def last_token_scores(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) fp32: a classifier's per-position output (B, T, 1) read at each row's last valid token."""
-    last = _last_valid_index(attention_mask)
-    return per_token[torch.arange(len(last), device=per_token.device), last, 0].float()
 
 
 class _StageWorker(Worker, _FSDPModelHolder):

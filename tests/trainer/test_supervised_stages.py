@@ -117,9 +117,15 @@ def test_preference_bad_data_stops_naming_file_and_column(tokenizer, tmp_path):
     assert len(PreferenceDataset(some_ties, tokenizer, rm_data_config())) == 1  # the tie is dropped, counted
 
 
-def test_bad_data_stops_the_stage_before_any_worker_starts(tmp_path):
+def test_bad_data_stops_the_stage_before_any_worker_starts(tmp_path, monkeypatch):
     import ray
 
+    from hflow.trainer import main_ppo
+
+    def no_backend(_config):
+        raise AssertionError("the backend started before the data was checked")
+
+    monkeypatch.setattr(main_ppo, "start_backend", no_backend)
     bad = write(tmp_path / "pairs.parquet", [{"prompt": "p", "chosen": "same", "rejected": "same"}])
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="rm_trainer", overrides=[f"data.train_files={bad}", f"data.val_files={bad}"])
