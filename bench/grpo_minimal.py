@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=spec["max_prompt_length"] + L, kv_cache_memory_bytes=spec["kv_cache_bytes"],
               enable_prefix_caching=True, max_num_batched_tokens=8192, max_num_seqs=256)
     tied = bool(policy.config.tie_word_embeddings)
-    sampling = SamplingParams(n=n, temperature=T, max_tokens=L, ignore_eos=True, logprobs=0, detokenize=False)
+    ignore_eos = spec.get("ignore_eos", True)
+    sampling = SamplingParams(n=n, temperature=T, max_tokens=L, ignore_eos=ignore_eos, logprobs=0, detokenize=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:  # the stop tokens hflow uses: the generation config's, else the tokenizer's
         eos_token_id = GenerationConfig.from_pretrained(spec["model"]).eos_token_id
@@ -116,10 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
             for j in range(n):
                 row = i * n + j
                 input_ids[row, P - len(prompt):P] = torch.tensor(prompt)
-                input_ids[row, P:] = torch.tensor(responses[row])
+                input_ids[row, P:P + len(responses[row])] = torch.tensor(responses[row])  # pad after an EOS stop
                 attention_mask[row, P - len(prompt):P] = 1
-        # a response ends at its first EOS even though sampling went on (ignore_eos), as in hflow
+        # a response ends at its first EOS (with ignore_eos sampling went on after it), as in hflow
         response_mask = get_response_mask(input_ids[:, P:], eos_token_id, dtype=torch.long)
+        response_mask &= torch.arange(L) < torch.tensor([len(r) for r in responses])[:, None]
         attention_mask[:, P:] = response_mask
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         tensors = (input_ids, attention_mask, position_ids)
@@ -167,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
         phases["update_actor"] = time.perf_counter() - t0
 
         phases["step"] = time.perf_counter() - start
-        iterations.append({"phases": phases, "reward_mean": scores.mean().item()})
+        iterations.append({"phases": phases, "reward_mean": scores.mean().item(),
+                           "tokens": n * sum(len(p) for p in batch_prompts) + int(lengths.sum()),
+                           "response_length_mean": lengths.float().mean().item()})
         print(f"[minimal] iteration {it}: {phases['step']:.2f}s  " +
               " ".join(f"{k}={v:.2f}" for k, v in phases.items()), file=sys.stderr, flush=True)
 
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         "iteration_s": [r["phases"]["step"] for r in iterations],
         "phases_s": {k: [r["phases"].get(k, 0.0) for r in iterations] for k in iterations[0]["phases"]},
         "reward_mean": [r["reward_mean"] for r in iterations],
+        "tokens_per_iteration": [r["tokens"] for r in iterations],
+        "response_length_mean": [r["response_length_mean"] for r in iterations],
         "warmup": spec["warmup"],
     }
     args.out.write_text(json.dumps(result, indent=1))

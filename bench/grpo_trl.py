@@ -71,7 +71,9 @@ def grpo_config(spec: dict, output_dir: str, use_vllm: bool):
     if completions % micro:
         raise SystemExit(f"batch_prompts * n = {completions} is not a multiple of micro_batch_size = {micro}")
     response_length = spec["response_length"]
-    if use_vllm:
+    if not spec.get("ignore_eos", True):
+        fixed_length = {}  # responses stop at EOS
+    elif use_vllm:
         fixed_length = {"ignore_eos": True}
     else:
         # min_new_tokens bans every EOS id until max_new_tokens is reached: all completions are full length.
@@ -188,7 +190,8 @@ class IterationTimer:
         setattr(owner, method, timed)
 
 
-def instrument(trainer, timer: IterationTimer, tokens: list[int], spec: dict, notes: list[str]):
+def instrument(trainer, timer: IterationTimer, tokens: list[int], response_lengths: list[float], spec: dict,
+               notes: list[str]):
     """Time TRL's phases and record the work each generation did (prompt tokens, completion lengths)."""
     generate_single_turn = trainer._generate_single_turn
 
@@ -198,9 +201,10 @@ def instrument(trainer, timer: IterationTimer, tokens: list[int], spec: dict, no
             raise SystemExit(f"a prompt has {longest} tokens > max_prompt_length={spec['max_prompt_length']}")
         completion_ids, logprobs = generate_single_turn(prompt_ids, *args, **kwargs)
         lengths = sorted({len(ids) for ids in completion_ids})
-        if lengths != [spec["response_length"]]:
+        if spec.get("ignore_eos", True) and lengths != [spec["response_length"]]:
             notes.append(f"completion lengths {lengths} differ from response_length={spec['response_length']}")
         tokens.append(sum(len(ids) for ids in prompt_ids) + sum(len(ids) for ids in completion_ids))
+        response_lengths.append(sum(len(ids) for ids in completion_ids) / len(completion_ids))
         timer.current["_generations"] += 1
         return completion_ids, logprobs
 
@@ -284,6 +288,7 @@ def main() -> None:
 
     notes: list[str] = []
     tokens: list[int] = []
+    response_lengths: list[float] = []
     timer = IterationTimer()
     with tempfile.TemporaryDirectory(prefix="grpo_trl_") as output_dir:
         trainer = GRPOTrainer(
@@ -295,7 +300,7 @@ def main() -> None:
         )
         if use_vllm:
             patch_vllm_weight_sync(trainer, notes)
-        instrument(trainer, timer, tokens, spec, notes)
+        instrument(trainer, timer, tokens, response_lengths, spec, notes)
         trainer.train()
 
     if any(g != 1 for g in timer.generations):
@@ -308,7 +313,9 @@ def main() -> None:
         f"load average at the end (1/5/15 min): {[round(x, 2) for x in os.getloadavg()]}; "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
-    notes += STANDING_NOTES + (VLLM_NOTES if use_vllm else TRANSFORMERS_NOTES)
+    length_notes = (VLLM_NOTES if use_vllm else TRANSFORMERS_NOTES) if spec.get("ignore_eos", True) else [
+        "responses stop at EOS (or max_completion_length); TRL pads each batch to its longest completion"]
+    notes += STANDING_NOTES + length_notes + (VLLM_OTHER_NOTES if use_vllm else [])
     result = {
         "system": "trl",
         "trl_version": trl.__version__,
@@ -318,6 +325,7 @@ def main() -> None:
         "phases_s": dict(timer.phases),
         # One value per iteration: the prompts, hence their lengths, change from one iteration to the next.
         "tokens_per_iteration": tokens,
+        "response_length_mean": response_lengths,
         "reward_mean": rewards_seen,
         "notes": notes,
     }
@@ -351,6 +359,8 @@ TRANSFORMERS_NOTES = [
 ]
 VLLM_NOTES = [
     "fixed length: vLLM ignore_eos=True (as hflow's vLLM rollout): EOS may be sampled and generation goes on",
+]
+VLLM_OTHER_NOTES = [
     "vLLM importance-sampling correction off (vllm_importance_sampling_correction=False): hflow's loss has none",
     "vLLM seed: TRL seeds the colocated engine with the process index (0), not with the spec's seed",
 ]

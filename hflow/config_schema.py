@@ -130,6 +130,7 @@ class FSDPConfig:
     optimizer_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool = True
+    gather_once_per_pass: bool = True
     model_dtype: Optional[str] = None
     mixed_precision: Optional[dict[str, Any]] = None
 
@@ -183,6 +184,7 @@ class RefFSDPConfig:
     param_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool = True
+    gather_once_per_pass: bool = True
 
 
 @dataclass
@@ -290,6 +292,7 @@ class CriticConfig:
 class RewardModelFSDPConfig:
     param_offload: bool = False
     reshard_after_forward: bool = True
+    gather_once_per_pass: bool = True
 
 
 @dataclass

@@ -46,6 +46,7 @@ from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_
 
 __all__ = [
     "apply_fsdp2",
+    "no_grad_pass",
     "apply_lora",
     "build_device_mesh",
     "build_lr_scheduler",
@@ -125,7 +126,8 @@ _ATTN_CHOICES_LOGGED: set[str] = set()  # default_attn_implementation logs each 
 
 def default_attn_implementation(cuda: bool | None = None) -> str:
     """flash_attention_2 on a CUDA device where flash-attn really works with the installed torch, else
-    PyTorch SDPA (with one log line saying why). `cuda=None` asks the device helper (tests pass it).
+    PyTorch SDPA (`packing.SDPA_VARLEN`: transformers' SDPA, which also attends per sequence on packed
+    inputs), with one log line saying why. `cuda=None` asks the device helper (tests pass it).
 
     "Really works" means: the `flash-attn` distribution is installed at a version transformers
     accepts (>= 2.3.3), its compiled extension (`flash_attn_2_cuda`) imports -- a build for another
@@ -167,13 +169,15 @@ def default_attn_implementation(cuda: bool | None = None) -> str:
     if reason is None:
         choice, reason = "flash_attention_2", "flash-attn imports and runs on this device"
     else:
-        choice = "sdpa"
+        from hflow.utils.packing import SDPA_VARLEN
+
+        choice = SDPA_VARLEN  # PyTorch SDPA, per sequence on packed (remove-padding) inputs
     line = f"attention implementation: {choice} ({reason})"
     if line not in _ATTN_CHOICES_LOGGED:
         _ATTN_CHOICES_LOGGED.add(line)
         # a warning when flash-attn is installed (the user wants it) but cannot be used
         installed = cuda and importlib.util.find_spec("flash_attn") is not None
-        logger.log(logging.WARNING if installed and choice == "sdpa" else logging.INFO, line)
+        logger.log(logging.WARNING if installed and choice != "flash_attention_2" else logging.INFO, line)
     return choice
 
 
@@ -451,6 +455,7 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     fp32_modules: Iterable[nn.Module] = (),
+    gather_once_per_pass: bool = True,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
     takes what is left (embeddings, final norm, LM / value head). Returns the same object.
@@ -460,20 +465,53 @@ def apply_fsdp2(
     which would leave a value about 3 significant digits.
 
     The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
-    backward needs them first); after an inference-only pass call `reshard_fsdp_model`.
+    backward needs them first); run inference-only passes inside `no_grad_pass`, which frees them after.
+    `gather_once_per_pass` lets such a pass gather each layer once for all its micro-batches.
     `cpu_offload` keeps the shards, gradients and optimizer step on the host for good (FSDP2's
     `CPUOffloadPolicy`; meaningless, and skipped, on CPU); do not combine it with the per-phase
     `offload_*` / `load_*` helpers below, which would move that state back to the device.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
     kwargs["offload_policy"] = CPUOffloadPolicy() if cpu_offload and device.is_cuda() else OffloadPolicy()
+    units: list[tuple[nn.Module, bool]] = []
     for layer in _decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+        units.append((layer, reshard_after_forward))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in fp32_modules:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **{**kwargs, "mp_policy": fp32})
+        units.append((module, reshard_after_forward))
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    units.append((model, False))
+    # what `no_grad_pass` restores after keeping every unit gathered
+    model._hflow_reshard_after_forward = [(unit, reshard) for unit, reshard in units]
+    model._hflow_gather_once_per_pass = gather_once_per_pass
     return model
+
+
+@contextmanager
+def no_grad_pass(model: nn.Module) -> Iterator[None]:
+    """An inference-only pass over several micro-batches (log-probs, values, scores), without gradients.
+
+    When `model` was sharded with `gather_once_per_pass` (the default), each unit's parameters are
+    all-gathered by the first micro-batch and kept until the pass ends, instead of being gathered again
+    for every micro-batch: one all-gather per layer per pass, at the cost of a full copy of the weights
+    (in the compute dtype) on the device while the pass runs. Either way, everything is resharded on
+    leaving, as no backward follows to do it. A plain `torch.no_grad()` for a model not sharded here.
+    """
+    units = getattr(model, "_hflow_reshard_after_forward", [])
+    keep_gathered = bool(units) and getattr(model, "_hflow_gather_once_per_pass", False)
+    if keep_gathered:
+        for unit, _ in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if keep_gathered:
+            for unit, reshard in units:
+                unit.set_reshard_after_forward(reshard, recurse=False)
+        reshard_fsdp_model(model)
 
 
 def reshard_fsdp_model(model: nn.Module) -> None:

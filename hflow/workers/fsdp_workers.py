@@ -81,6 +81,7 @@ class _FSDPModelHolder:
                 self.device_mesh,
                 mixed_precision=fsdp_config.get("mixed_precision"),  # the ref's fsdp_config has none: the default
                 reshard_after_forward=fsdp_config.reshard_after_forward,
+                gather_once_per_pass=fsdp_config.get("gather_once_per_pass", True),
                 cpu_offload=cpu_offload,
                 fp32_modules=fp32_modules,
             )
@@ -498,7 +499,8 @@ class RewardModelWorker(Worker):
         with fsdp_utils.weights_from_rank0(module):
             self.module = fsdp_utils.apply_fsdp2(
                 module, self.device_mesh, mixed_precision=None,
-                reshard_after_forward=model_cfg.fsdp_config.reshard_after_forward)
+                reshard_after_forward=model_cfg.fsdp_config.reshard_after_forward,
+                gather_once_per_pass=model_cfg.fsdp_config.gather_once_per_pass)
         self.module.requires_grad_(False)
         self.module.eval()
         # The head scores every position inside the model's forward; keep that per-token output (the
@@ -550,10 +552,10 @@ class RewardModelWorker(Worker):
         dev = device.get_device()
         scores = []
         micro = int(self.config.micro_batch_size_per_gpu)
-        for start in range(0, len(data), micro):
-            scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
-                                       inputs["attention_mask"][start:start + micro].to(dev)).cpu())
-        fsdp_utils.reshard_fsdp_model(self.module)  # no backward follows to free the gathered root
+        with fsdp_utils.no_grad_pass(self.module):
+            for start in range(0, len(data), micro):
+                scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
+                                           inputs["attention_mask"][start:start + micro].to(dev)).cpu())
         scores = torch.cat(scores) if scores else torch.zeros(0)
         response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)

@@ -157,19 +157,18 @@ class SFTWorker(_StageWorker):
         return {"train/loss": [loss_share.item()]}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    @torch.no_grad()
     def evaluate(self, data: DataProto) -> DataProto:
         """Per row: the summed NLL of its trained tokens and their count (`nll_sum`, `num_tokens`)."""
-        from hflow.utils.fsdp_utils import reshard_fsdp_model
+        from hflow.utils.fsdp_utils import no_grad_pass
 
         self._onload(self.module, None, self._offload_param, False)
         self.module.eval()
         sums, counts = [], []
-        for micro in self._micro_batches(data):
-            nll, mask = self._token_nll(micro)
-            sums.append((nll * mask).sum(-1).float().cpu())
-            counts.append(mask.sum(-1).float().cpu())
-        reshard_fsdp_model(self.module)
+        with no_grad_pass(self.module):
+            for micro in self._micro_batches(data):
+                nll, mask = self._token_nll(micro)
+                sums.append((nll * mask).sum(-1).float().cpu())
+                counts.append(mask.sum(-1).float().cpu())
         self._offload(self.module, None, self._offload_param, False)
         return DataProto.from_dict({"nll_sum": torch.cat(sums), "num_tokens": torch.cat(counts)})
 
@@ -224,15 +223,14 @@ class RewardModelTrainWorker(_StageWorker):
         return {name: [value] for name, value in sums.items()}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    @torch.no_grad()
     def evaluate(self, data: DataProto) -> DataProto:
         """Per row: its score (`scores`); the driver groups them."""
-        from hflow.utils.fsdp_utils import reshard_fsdp_model
+        from hflow.utils.fsdp_utils import no_grad_pass
 
         self._onload(self.module, None, self._offload_param, False)
         self.module.eval()
-        scores = [self._scores(micro).cpu() for micro in self._micro_batches(data)]
-        reshard_fsdp_model(self.module)
+        with no_grad_pass(self.module):
+            scores = [self._scores(micro).cpu() for micro in self._micro_batches(data)]
         self._offload(self.module, None, self._offload_param, False)
         return DataProto.from_dict({"scores": torch.cat(scores)})
 

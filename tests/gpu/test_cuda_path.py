@@ -15,6 +15,7 @@ from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.flops_counter import device_peak_flops
 from hflow.utils.fsdp_utils import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
+from hflow.utils.packing import SDPA_VARLEN
 from hflow.utils.torch_functional import compute_position_id_with_mask, logprobs_from_logits
 from hflow.workers.config import resolved_copy
 
@@ -73,10 +74,10 @@ def test_peak_flops_known_for_datacenter_gpus():
 
 def test_chosen_attention_loads_and_matches_sdpa(model_dir):
     choice = default_attn_implementation()
-    assert choice in ("sdpa", "flash_attention_2")
+    assert choice in (SDPA_VARLEN, "flash_attention_2")
     ids = torch.randint(5, 400, (2, 24), device="cuda")
     outputs = {}
-    for impl in {choice, "sdpa"}:
+    for impl in {choice, "sdpa"}:  # SDPA_VARLEN on padded inputs is transformers' sdpa
         model = load_causal_lm(str(model_dir), dtype=torch.bfloat16, attn_implementation=impl).cuda()
         with torch.no_grad():
             outputs[impl] = model(input_ids=ids).logits.float()

@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hflow.utils import device, fsdp_utils
 from hflow.utils.fsdp_utils import default_attn_implementation, load_causal_lm
+from hflow.utils.packing import SDPA_VARLEN
 
 BROKEN_EXTENSION = (
     'raise ImportError("flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: '
@@ -59,9 +60,9 @@ def fake_flash_attn(tmp_path, monkeypatch):
 
 def test_cpu_is_sdpa_even_with_a_working_flash_attn(fake_flash_attn):
     fake_flash_attn(WORKING_EXTENSION)
-    assert default_attn_implementation(cuda=False) == "sdpa"
+    assert default_attn_implementation(cuda=False) == SDPA_VARLEN
     if not device.is_cuda():
-        assert default_attn_implementation() == "sdpa"
+        assert default_attn_implementation() == SDPA_VARLEN
 
 
 def test_cuda_without_flash_attn_is_sdpa(fake_flash_attn, monkeypatch, caplog):
@@ -69,15 +70,15 @@ def test_cuda_without_flash_attn_is_sdpa(fake_flash_attn, monkeypatch, caplog):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, package=None: None if name == "flash_attn" else find_spec(name, package))
     with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
-        assert default_attn_implementation(cuda=True) == "sdpa"
+        assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     assert "not installed" in caplog.text
 
 
 def test_broken_build_falls_back_to_sdpa_with_one_warning(fake_flash_attn, caplog):
     fake_flash_attn(BROKEN_EXTENSION)
     with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
-        assert default_attn_implementation(cuda=True) == "sdpa"
-        assert default_attn_implementation(cuda=True) == "sdpa"
+        assert default_attn_implementation(cuda=True) == SDPA_VARLEN
+        assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     records = [r for r in caplog.records if "attention implementation" in r.getMessage()]
     assert len(records) == 1, "the reason is logged once, not at every model load"
     assert records[0].levelno == logging.WARNING
@@ -88,7 +89,7 @@ def test_broken_build_falls_back_to_sdpa_with_one_warning(fake_flash_attn, caplo
 def test_too_old_flash_attn_is_sdpa(fake_flash_attn, caplog):
     fake_flash_attn(WORKING_EXTENSION, version="2.0.4")
     with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
-        assert default_attn_implementation(cuda=True) == "sdpa"
+        assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     assert "older than 2.3.3" in caplog.text
 
 
@@ -107,6 +108,6 @@ def test_model_loads_with_a_broken_flash_attn_on_cuda(fake_flash_attn, monkeypat
                          num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
     model = load_causal_lm(str(tmp_path / "model"))
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == SDPA_VARLEN
     out = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert out.shape == (1, 3, 64)

@@ -39,6 +39,7 @@ from hflow.utils.fsdp_utils import (
     load_optimizer,
     load_reward_model,
     load_value_model,
+    no_grad_pass,
     offload_fsdp_model_to_cpu,
     offload_optimizer,
     reshard_fsdp_model,
@@ -165,6 +166,30 @@ def test_mixed_precision_from_config_mapping_and_resharding(model_dir: Path, mes
         assert torch.equal(tensor.cpu(), expected[name]), name
     with pytest.raises(ValueError, match="unknown keys"):
         apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param": "bf16"})
+
+
+def _gathered_layers(model) -> list[bool]:
+    return [not isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("gather_once", [True, False])
+def test_no_grad_pass_gathers_each_layer_once_then_restores_resharding(model_dir: Path, mesh, gather_once: bool):
+    model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh, gather_once_per_pass=gather_once)
+    with torch.no_grad():
+        expected = model(**inputs()).logits
+    reshard_fsdp_model(model)
+    with no_grad_pass(model):
+        first = model(**inputs()).logits
+        # kept gathered between micro-batches only when asked; the gradient mode is off either way
+        assert _gathered_layers(model) == [gather_once] * len(model.model.layers)
+        assert not torch.is_grad_enabled()
+        second = model(**inputs()).logits
+    torch.testing.assert_close(first, expected, atol=0, rtol=0)
+    torch.testing.assert_close(second, expected, atol=0, rtol=0)
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # nothing left gathered
+    # training afterwards reshards each layer after its forward again, as configured
+    model(**inputs()).logits.sum()
+    assert _gathered_layers(model) == [False] * len(model.model.layers)
 
 
 def test_clip_grad_norm_is_the_norm_of_the_unwrapped_model(model_dir: Path, mesh):

@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.fsdp_utils import load_causal_lm, load_value_model
-from hflow.utils.packing import pack_micro_batch
+from hflow.utils.packing import SDPA_VARLEN, pack_micro_batch
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, resolved_copy
@@ -70,7 +70,7 @@ def worker_config(section: DictConfig, **overrides) -> DictConfig:
     return config
 
 
-def make_actor(model_dir: Path, remove_padding: bool, attn: str = "sdpa", lr: float = 0.5, **overrides):
+def make_actor(model_dir: Path, remove_padding: bool, attn: str = SDPA_VARLEN, lr: float = 0.5, **overrides):
     model = load_causal_lm(str(model_dir), attn_implementation=attn)
     config = worker_config(default_config().actor_rollout_ref.actor, use_remove_padding=remove_padding, **overrides)
     return DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=lr))
@@ -99,6 +99,7 @@ def test_pack_micro_batch_layout():
     assert packed.scoring_positions.tolist() == [1, 2, 5]
     assert packed.response_slots.tolist() == [0, 1, 3]
     assert packed.unpack_response(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
+    assert packed.sequence_starts.tolist() == [0, 4, 7] and packed.longest == 4
 
 
 def test_pack_rejects_a_row_without_prompt():
@@ -110,7 +111,7 @@ def test_pack_rejects_a_row_without_prompt():
 # ------------------------------------------------------------------ actor
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", [SDPA_VARLEN, "sdpa", "eager"])  # per-sequence SDPA; block-diagonal masks
 def test_actor_log_probs_and_entropy_match_padded_path(model_dir: Path, attn: str):
     data = make_batch()
     padded = make_actor(model_dir, remove_padding=False, attn=attn).compute_log_prob(data, calculate_entropy=True)
@@ -189,6 +190,26 @@ def test_critic_values_and_update_match_padded_path(model_dir: Path):
     for key in before:
         torch.testing.assert_close(after[True][key], after[False][key], atol=ATOL, rtol=0, msg=key)
     assert metrics[True]["critic/vf_loss"] == pytest.approx(metrics[False]["critic/vf_loss"], abs=ATOL)
+
+
+def test_default_attention_attends_per_sequence_not_over_the_packed_row(model_dir: Path, monkeypatch):
+    """With the default implementation on CPU (`SDPA_VARLEN`), every attention call of a packed forward
+    covers exactly one sequence: no N x N attention over the packed row, for the actor and the critic."""
+    query_lengths: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(query, key, value, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        assert kwargs.get("attn_mask") is None and kwargs.get("is_causal")  # causal, no mask to build
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    data = make_batch()
+    lengths = data.batch["attention_mask"].sum(-1).tolist()
+    make_actor(model_dir, remove_padding=True).compute_log_prob(data)
+    make_critic(model_dir, remove_padding=True).compute_values(data)
+    layers = 2
+    assert sorted(query_lengths) == sorted(lengths * layers * 2)
 
 
 # ------------------------------------------------------------------ configuration

@@ -43,7 +43,7 @@ from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
 from hflow.utils.ema import ParamEMA
-from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
+from hflow.utils.fsdp_utils import clip_grad_norm_and_step, no_grad_pass
 from hflow.utils.packing import pack_micro_batch
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -130,7 +130,7 @@ class DataParallelPPOActor(BasePPOActor):
         packed = None
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
-            inputs = {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids}
+            inputs = packed.model_inputs()
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
         else:
             inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
@@ -165,8 +165,8 @@ class DataParallelPPOActor(BasePPOActor):
             max_token_len=meta.get("max_token_len"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
         )
-        outputs = [self._forward_micro_batch(mb, temperature, calculate_entropy) for mb in micro_batches]
-        reshard_fsdp_model(self.actor_module)
+        with no_grad_pass(self.actor_module):
+            outputs = [self._forward_micro_batch(mb, temperature, calculate_entropy) for mb in micro_batches]
         log_probs = torch.cat([lp for lp, _ in outputs])
         entropys = torch.cat([ent for _, ent in outputs]) if calculate_entropy else None
         if reverse_idx is not None:

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, compute_value_loss
-from hflow.utils.fsdp_utils import clip_grad_norm_and_step, reshard_fsdp_model
+from hflow.utils.fsdp_utils import clip_grad_norm_and_step, no_grad_pass
 from hflow.utils.packing import pack_micro_batch
 from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import masked_mean
@@ -52,9 +52,7 @@ class DataParallelPPOCritic(BasePPOCritic):
         response_length, seq_len = micro_batch["responses"].shape[-1], micro_batch["input_ids"].shape[-1]
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
-            values = self.critic_module(
-                input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False
-            ).logits
+            values = self.critic_module(**packed.model_inputs(), use_cache=False).logits
             return packed.unpack_response(values[0, packed.scoring_positions, 0].float())  # 0 at padded responses
         values = self.critic_module(
             input_ids=micro_batch["input_ids"],
@@ -80,8 +78,8 @@ class DataParallelPPOCritic(BasePPOCritic):
             max_token_len=meta.get("max_token_len"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
         )
-        values = torch.cat([self._forward_micro_batch(mb) for mb in micro_batches])
-        reshard_fsdp_model(self.critic_module)
+        with no_grad_pass(self.critic_module):
+            values = torch.cat([self._forward_micro_batch(mb) for mb in micro_batches])
         if reverse_idx is not None:
             values = values[reverse_idx.to(values.device)]
         return values * response_mask_of(batch).to(values.dtype)
