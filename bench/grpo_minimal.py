@@ -169,9 +169,11 @@ def main(argv: list[str] | None = None) -> dict:
         phases["update_actor"] = time.perf_counter() - t0
 
         phases["step"] = time.perf_counter() - start
+        # the work done: with ignore_eos every response is L tokens long, wherever its first EOS is
+        generated = torch.tensor([len(r) for r in responses]).float()
         iterations.append({"phases": phases, "reward_mean": scores.mean().item(),
-                           "tokens": n * sum(len(p) for p in batch_prompts) + int(lengths.sum()),
-                           "response_length_mean": lengths.float().mean().item()})
+                           "tokens": n * sum(len(p) for p in batch_prompts) + int(generated.sum()),
+                           "response_length_mean": generated.mean().item()})
         print(f"[minimal] iteration {it}: {phases['step']:.2f}s  " +
               " ".join(f"{k}={v:.2f}" for k, v in phases.items()), file=sys.stderr, flush=True)
 

@@ -38,8 +38,8 @@ one AdamW step over the whole batch, on-policy: the old log-probs are the update
 Each system counts the tokens it processed (prompt + response, up to and with the EOS) and its mean response
 length; with responses that stop at EOS these differ a little between systems, so the ratios are per token:
 "time/token vs minimal" is the minimal loop's tokens/s over the row's, "tok/s vs TRL" the row's over TRL's.
-Prints one table (medians over the measured iterations with their min-max) and writes
-bench/results/grpo_step.{md,json}. Every system of the table is measured in this run: a system that fails
+Prints one table (medians over the measured iterations with their min-max) and writes one report per
+workload, bench/results/grpo_step_<workload>.{md,json} (`--render JSON` rewrites them from a stored run). Every system of the table is measured in this run: a system that fails
 (or is not asked for) has no row and no ratio. Fewer than 5 measured iterations make a smoke run, labelled
 as such. Setup (TRL env, SmolLM2 conversion) is not timed.
 """
@@ -170,11 +170,13 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding
     phases = {p: [s.get(f"timing_s/{p}", 0.0) for s in steps] for p in PHASES}
     # hflow's gen timer includes the weight sync (the sharding manager runs inside generate_sequences)
     phases["gen"] = [g - w for g, w in zip(phases["gen"], phases["weight_sync"], strict=True)]
-    # the work actually done: prompt + response tokens of every sample (responses may stop at EOS)
+    # the work actually done: prompt + response tokens of every sample; with ignore_eos every response is
+    # response_length tokens long (its metrics count only up to the first EOS, as its loss does)
     samples = B * spec["n"]
-    tokens = [round(samples * (s["prompt_length/mean"] + s["response_length/mean"])) for s in steps]
+    lengths = [spec["response_length"] if spec["ignore_eos"] else s["response_length/mean"] for s in steps]
+    tokens = [round(samples * (s["prompt_length/mean"] + length)) for s, length in zip(steps, lengths)]
     return {"system": "hflow", "iteration_s": [s["timing_s/step"] for s in steps], "phases_s": phases,
-            "tokens_per_iteration": tokens, "response_length_mean": [s["response_length/mean"] for s in steps],
+            "tokens_per_iteration": tokens, "response_length_mean": lengths,
             "reward_mean": [s.get("critic/score/mean") for s in steps], "workers": workers,
             "cpus_per_worker": cpus_per_worker}
 
@@ -222,7 +224,7 @@ SYSTEMS = tuple(RUNNERS)
 
 # ---- summary -------------------------------------------------------------------------------------
 
-def summarize(result: dict, tokens: list[int], warmup: int) -> dict:
+def summarize(result: dict, tokens: list[int] | None, warmup: int) -> dict:
     times = result["iteration_s"][warmup:]
     # each system reports the tokens of its own batches: responses that stop at EOS differ in length from
     # one system to the next (TRL's sampler may also order the prompts differently)
@@ -282,7 +284,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "grpo_step")
     parser.add_argument("--recompute-old-log-probs", action="store_true",
                         help="hflow and the minimal loop compute old log-probs in a pass of their own")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="measure nothing: rewrite the report of a stored run (its --workloads only)")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        keep = args.workloads.split(",")
+        report["results"] = {w: r for w, r in report["results"].items() if w in keep}
+        for workload, systems in report["results"].items():
+            for entry in systems.values():
+                if isinstance(entry, dict) and "iteration_s" in entry:
+                    entry["summary"] = summarize(entry, None, report["warmup"])
+        write_reports(report, args.out)
+        return report
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -323,17 +337,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
               "warmup": args.warmup, "results": results}
-    text = table({w: {k: v for k, v in r.items() if k != "spec"} for w, r in results.items()})
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    measured = args.iterations - args.warmup
-    smoke = " **Smoke run (fewer than 5 measured iterations): not a result.**" if measured < 5 else ""
-    args.out.with_suffix(".md").write_text(
-        f"# GRPO iteration: hflow vs TRL vs minimal loop\n\nMachine: {report['machine']}; {report['date']}; "
-        f"medians [min-max] of {measured} iterations after {args.warmup} warm-up, every system measured in this "
-        f"run.{smoke}\n\n{text}\n")
+    write_reports(report, args.out)
     return report
+
+
+def write_reports(report: dict, out: Path) -> None:
+    """Print the table and write one report per workload, `<out>_<workload>.{md,json}`: each workload's
+    systems are measured in one run, and re-measuring one workload leaves the others' reports alone."""
+    measured = report["iterations"] - report["warmup"]
+    smoke = " **Smoke run (fewer than 5 measured iterations): not a result.**" if measured < 5 else ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for workload, results in report["results"].items():
+        text = table({workload: {k: v for k, v in results.items() if k != "spec"}})
+        print(text)
+        path = out.parent / f"{out.name}_{workload}"
+        path.with_suffix(".json").write_text(json.dumps({**report, "results": {workload: results}}, indent=1))
+        path.with_suffix(".md").write_text(
+            f"# GRPO iteration, {workload} workload: hflow vs TRL vs minimal loop\n\n"
+            f"Machine: {report['machine']}; {report['date']}; medians [min-max] of {measured} iterations after "
+            f"{report['warmup']} warm-up, every system measured in this run.{smoke} Workload and systems: "
+            f"`bench/grpo_step.py`'s docstring.\n\n{text}\n")
 
 
 if __name__ == "__main__":

