@@ -42,6 +42,7 @@ from transformers import (
 )
 
 from hflow.utils import device
+from hflow.utils.packing import SDPA_VARLEN  # importing it registers the attention with transformers
 from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 __all__ = [
@@ -169,8 +170,6 @@ def default_attn_implementation(cuda: bool | None = None) -> str:
     if reason is None:
         choice, reason = "flash_attention_2", "flash-attn imports and runs on this device"
     else:
-        from hflow.utils.packing import SDPA_VARLEN
-
         choice = SDPA_VARLEN  # PyTorch SDPA, per sequence on packed (remove-padding) inputs
     line = f"attention implementation: {choice} ({reason})"
     if line not in _ATTN_CHOICES_LOGGED:
