@@ -35,13 +35,14 @@ one AdamW step over the whole batch, on-policy: the old log-probs are the update
 (`reuse_update_log_probs`; TRL's only mode), so no system runs a separate old-log-prob pass.
 `--recompute-old-log-probs` adds that pass to hflow and the minimal loop.
 
-Each system counts the tokens it processed (prompt + response, up to and with the EOS) and its mean response
-length; with responses that stop at EOS these differ a little between systems, so the ratios are per token:
-"time/token vs minimal" is the minimal loop's tokens/s over the row's, "tok/s vs TRL" the row's over TRL's.
-Prints one table (medians over the measured iterations with their min-max) and writes one report per
-workload, bench/results/grpo_step_<workload>.{md,json} (`--render JSON` rewrites them from a stored run). Every system of the table is measured in this run: a system that fails
-(or is not asked for) has no row and no ratio. Fewer than 5 measured iterations make a smoke run, labelled
-as such. Setup (TRL env, SmolLM2 conversion) is not timed.
+Each system counts the tokens it processed (prompt + response: up to and with the EOS, or all
+response_length tokens with ignore_eos) and its mean response length; with responses that stop at EOS these
+differ a little between systems, so the ratios are per token: "time/token vs minimal" is the minimal loop's
+tokens/s over the row's, "tok/s vs TRL" the row's over TRL's. Prints one table (medians over the measured
+iterations with their min-max) and writes one report per workload, bench/results/grpo_step_<workload>.{md,json}
+(`--render JSON` rewrites them from a stored run). Every system of the table is measured in this run: a
+system that fails (or is not asked for) has no row and no ratio. Fewer than 5 measured iterations make a
+smoke run, labelled as such. Setup (TRL env, SmolLM2 conversion) is not timed.
 """
 
 from __future__ import annotations
@@ -108,20 +109,7 @@ def prompt_file(source: str, spec: dict, path: Path) -> str:
     return str(path)
 
 
-def tokens_per_iteration(spec: dict) -> list[int]:
-    """Prompt tokens (unpadded, counted once per sample) + generated tokens, per iteration."""
-    import pandas as pd
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    B, n = spec["batch_prompts"], spec["n"]
-    rows = pd.read_parquet(spec["train_file"]).head(B * spec["iterations"])
-    lengths = [len(tokenizer(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)["input_ids"]) for p in rows["prompt"]]
-    return [n * sum(lengths[i * B:(i + 1) * B]) + B * n * spec["response_length"] for i in range(spec["iterations"])]
-
-
-# ---- the three systems ---------------------------------------------------------------------------
+# ---- the systems -----------------------------------------------------------------------------------
 
 def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding: bool = False) -> dict:
     """hflow's trainer with `workers` worker processes sharing the spec's cores (default: one per core),
@@ -224,12 +212,11 @@ SYSTEMS = tuple(RUNNERS)
 
 # ---- summary -------------------------------------------------------------------------------------
 
-def summarize(result: dict, tokens: list[int] | None, warmup: int) -> dict:
+def summarize(result: dict, warmup: int) -> dict:
     times = result["iteration_s"][warmup:]
     # each system reports the tokens of its own batches: responses that stop at EOS differ in length from
     # one system to the next (TRL's sampler may also order the prompts differently)
-    toks = result.get("tokens_per_iteration") if isinstance(result.get("tokens_per_iteration"), list) else tokens
-    rates = [t / s for t, s in zip(toks[warmup:], times)]
+    rates = [t / s for t, s in zip(result["tokens_per_iteration"][warmup:], times)]
     lengths = (result.get("response_length_mean") or [])[warmup:]
     summary = {"iteration_s": statistics.median(times), "iteration_min_s": min(times),
                "response_length": statistics.mean(lengths) if lengths else None,
@@ -294,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
         for workload, systems in report["results"].items():
             for entry in systems.values():
                 if isinstance(entry, dict) and "iteration_s" in entry:
-                    entry["summary"] = summarize(entry, None, report["warmup"])
+                    entry["summary"] = summarize(entry, report["warmup"])
         write_reports(report, args.out)
         return report
     systems = [s for s in args.systems.split(",") if s]
@@ -314,7 +301,6 @@ def main(argv: list[str] | None = None) -> dict:
                     "warmup": args.warmup, "threads": args.threads,
                     "reuse_update_log_probs": not args.recompute_old_log_probs}
             spec["train_file"] = prompt_file(source_file, spec, Path(tmp) / f"{workload}_prompts.parquet")
-            tokens = tokens_per_iteration(spec)
             results[workload] = {"spec": spec}
             for system in systems:
                 work = Path(tmp) / workload / system
@@ -330,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
                     log(f"{workload}: {system} failed ({error}); last output:\n{tail}")
                     results[workload][system] = {"error": str(error)}
                     continue
-                raw["summary"] = summarize(raw, tokens, args.warmup)
+                raw["summary"] = summarize(raw, args.warmup)
                 results[workload][system] = raw
                 log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
                     f"{raw['summary']['iteration_s']:.2f} s/iter")

@@ -483,7 +483,7 @@ def apply_fsdp2(
     fully_shard(model, reshard_after_forward=False, **kwargs)
     units.append((model, False))
     # what `no_grad_pass` restores after keeping every unit gathered
-    model._hflow_reshard_after_forward = [(unit, reshard) for unit, reshard in units]
+    model._hflow_reshard_after_forward = units
     model._hflow_gather_once_per_pass = gather_once_per_pass
     return model
 
