@@ -6,13 +6,12 @@ import sys
 import traceback
 
 import pytest
-import torch
 
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs, create_colocated_worker_cls
 from hflow.single_controller.local import LocalWorkerGroup
 from tests.conftest import REPO_ROOT
-from tests.single_controller.test_ray_worker_group import ComputeWorker, CriticLike, _data
+from tests.single_controller.example_workers import ComputeWorker, CriticLike, _data
 
 
 @pytest.fixture

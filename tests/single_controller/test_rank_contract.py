@@ -9,6 +9,8 @@ and torch.cuda.set_device uses it. The node position is `NODE_LOCAL_RANK`.
 import pytest
 import torch
 
+pytest.importorskip("ray", reason="needs Ray (the GPU check's machine has none)")
+
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from hflow.utils import device
