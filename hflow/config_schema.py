@@ -332,7 +332,7 @@ class CustomRewardFunctionConfig:
     path: Optional[str] = None
     name: str = "compute_score"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 30
+    timeout_s: Optional[float] = 30  # None: call the function in the driver, no limit (debugging, seeded controls)
     on_error: str = "raise"  # raise | zero
 
 

@@ -202,17 +202,21 @@ def _actor_optimizer_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
 @pytest.mark.parametrize("stop_after", [1], ids=["mid-epoch"])
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, assets, tmp_path, uninterrupted,
                                                                  stop_after):
-    run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={stop_after}", f"trainer.save_freq={stop_after}")
+    first = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={stop_after}", f"trainer.save_freq={stop_after}")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(stop_after)
     resumed = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2",
                   "trainer.resume_mode=auto", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2")
     kept = sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*"))
     assert kept == ["global_step_3", "global_step_4"]  # older checkpoints pruned
 
+    # The restarted process logged only the steps after the checkpoint. The runs are deterministic, so a
+    # restart that ignored the checkpoint and trained from step 1 would log the same values for the later
+    # steps: the step numbers of the second process's own records are what tell them apart.
+    after = resumed[len(first):]
+    assert [m["step"] for m in after] == list(range(stop_after + 1, STEPS + 1)), [m["step"] for m in after]
+
     # The steps after the restart: same data, samples, losses, gradients, KL and validation scores.
     uninterrupted_dir, uninterrupted_metrics = uninterrupted
-    after = [m for m in resumed if m["step"] > stop_after]
-    assert [m["step"] for m in after] == list(range(stop_after + 1, STEPS + 1))
     expected = {m["step"]: m for m in uninterrupted_metrics}
     for step in after:
         want = _comparable(expected[step["step"]])
