@@ -116,3 +116,26 @@ class CriticLike(Worker):
 
 def _data(n):
     return DataProto.from_dict({"a": torch.arange(n)}, non_tensors={"na": np.array([f"s{i}" for i in range(n)], dtype=object)})
+
+
+def fresh_worker_class():
+    """A new worker class, with its own method objects, on every call.
+
+    `ray.remote(cls)` marks a class's methods for the rest of the process (Ray pins each one's signature
+    on the function object, shared with subclasses), so a test about the order in which a class is used
+    with and without `ray.remote` needs a class that nothing else in the process has touched.
+    """
+
+    class FreshWorker(Worker):
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+        def tag_rank(self, data: DataProto, other: DataProto = None):
+            out = DataProto.from_dict({"a": data.batch["a"] + 100 * self.rank})
+            if other is not None:
+                out.batch["b"] = other.batch["b"].clone()
+            return out
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def double_later(self, data: DataProto):
+            return DataProto.from_dict({"a": data.batch["a"] * 2})
+
+    return FreshWorker

@@ -15,7 +15,12 @@ from hflow.single_controller.ray import (  # noqa: E402
     WorkerGroupError,
     create_colocated_worker_cls,
 )
-from tests.single_controller.example_workers import ComputeWorker, CriticLike, _data  # noqa: E402
+from tests.single_controller.example_workers import (  # noqa: E402
+    ComputeWorker,
+    CriticLike,
+    _data,
+    fresh_worker_class,
+)
 
 WORLD = 2
 
@@ -145,6 +150,32 @@ def test_non_blocking_future_passed_into_another_group(wg, critic_wg, n):
     doubled = [2 * i + (i // chunk) for i in range(n)]
     assert out.batch["a"].tolist() == [3 * v for v in doubled]
     assert future.get().batch["a"].tolist() == doubled  # the future itself comes back unpadded
+
+
+@pytest.mark.parametrize("order", [("ray.remote", "plain"), ("plain", "ray.remote")])
+def test_ray_remote_and_plain_class_both_build_groups_in_either_order(groups, order):
+    """verl's form `RayClassWithInitArgs(cls=ray.remote(W))` and the plain `RayClassWithInitArgs(W)` work
+    side by side, whichever comes first: `ray.remote(W)` pins W's signatures on its methods, and the rank
+    side's wrappers must still accept the padding information of uneven batches and futures."""
+    import ray
+
+    worker_cls = fresh_worker_class()  # no ray.remote has touched it yet
+    forms = {"ray.remote": lambda: RayClassWithInitArgs(cls=ray.remote(worker_cls)),
+             "plain": lambda: RayClassWithInitArgs(worker_cls)}
+    built = []
+    for form in order:
+        group = groups(forms[form]())
+        built.append(group)
+        # 5 rows on 2 ranks: padded to 6, one padding row on rank 1 (as an argument and as keywords)
+        assert group.tag_rank(_data(5)).batch["a"].tolist() == [0, 1, 2, 103, 104], form
+        out = group.tag_rank(data=_data(5), other=DataProto.from_dict({"b": torch.arange(5) * 7}))
+        assert out.batch["a"].tolist() == [0, 1, 2, 103, 104] and out.batch["b"].tolist() == [0, 7, 14, 21, 28], form
+    # A non-blocking result of one group goes into the other's method, in both directions.
+    for producer, consumer in (built, built[::-1]):
+        future = producer.double_later(_data(5))
+        assert isinstance(future, DataProtoFuture)
+        assert consumer.tag_rank(future).batch["a"].tolist() == [0, 2, 4, 106, 108]
+        assert consumer.tag_rank(data=producer.double_later(_data(3))).batch["a"].tolist() == [0, 2, 104]
 
 
 def test_submitted_calls_on_two_groups_run_at_the_same_time(wg, groups):

@@ -109,10 +109,13 @@ def _rank_side_method(func: Callable, attrs: dict) -> Callable:
             args, kwargs, pad_rows, in_rows = prepare_inputs(args, kwargs, materialize)
             return strip_padding(func(self, *args, **kwargs), pad_rows, in_rows)
 
-    functools.update_wrapper(run, func)
-    # Ray checks call arguments against inspect.signature, which would follow __wrapped__ to the user's
-    # signature and reject the reserved shard keyword.
+    functools.update_wrapper(run, func)  # name, doc and the function's attributes (e.g. @ray.method options)
+    # Ray checks call arguments against inspect.signature(run), which must accept the reserved shard
+    # keyword. It would follow __wrapped__ to the user's signature, and it would read a __signature__
+    # copied from `func`: `ray.remote(cls)` pins one on each of the user's functions (Ray's tracing
+    # hook), so after any `ray.remote(MyWorker)` in the process that copy is the user's signature.
     del run.__wrapped__
+    run.__dict__.pop("__signature__", None)
     setattr(run, MAGIC_ATTR, attrs)
     return run
 
