@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 pytest.importorskip("ray", reason="needs Ray (the GPU check's machine has none)")
 
 from hflow.protocol import DataProto
+from hflow.single_controller.base import Dispatch, register
 from hflow.single_controller.ray import (
     RayClassWithInitArgs,
     RayResourcePool,
@@ -55,14 +56,49 @@ def model_path(tmp_path_factory):
     return str(build_causal_lm(tmp_path_factory.mktemp("model") / "qwen2-tiny", preset="tiny"))
 
 
+_READS: list[str] = []  # in each worker process: the classes whose weights from_pretrained read from disk
+
+
+def _count_weight_reads() -> None:
+    """Record every `from_pretrained` of this process (once per process: the roles share it)."""
+    from transformers import PreTrainedModel
+
+    if getattr(PreTrainedModel.from_pretrained, "_counted", False):
+        return
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        _READS.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    from_pretrained._counted = True
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+class CountingActorRolloutRefWorker(ActorRolloutRefWorker):
+    def __init__(self, *args, **kwargs):
+        _count_weight_reads()
+        super().__init__(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_reads(self):
+        return list(_READS)
+
+
+class CountingCriticWorker(CriticWorker):
+    def __init__(self, *args, **kwargs):
+        _count_weight_reads()
+        super().__init__(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def groups(ray_session, model_path):
     config = make_config(model_path)
     roles = {
-        "actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config=config.actor_rollout_ref,
+        "actor_rollout": RayClassWithInitArgs(CountingActorRolloutRefWorker, config=config.actor_rollout_ref,
                                               role="actor_rollout"),
-        "ref": RayClassWithInitArgs(ActorRolloutRefWorker, config=config.actor_rollout_ref, role="ref"),
-        "critic": RayClassWithInitArgs(CriticWorker, config=config.critic),
+        "ref": RayClassWithInitArgs(CountingActorRolloutRefWorker, config=config.actor_rollout_ref, role="ref"),
+        "critic": RayClassWithInitArgs(CountingCriticWorker, config=config.critic),
     }
     group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), create_colocated_worker_cls(roles))
     views = group.spawn(roles.keys())
@@ -105,6 +141,14 @@ def with_advantages(batch, seed=0):
 def max_logprob_gap(batch):
     mask = batch.batch["response_mask"].bool()
     return (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask].max().item()
+
+
+def test_only_rank_zero_reads_the_weights_from_disk(groups):
+    """Actor, reference and critic each read the checkpoint once, on rank 0; rank 1 builds its modules on
+    the meta device and receives its shards from rank 0 (no host memory for a full model per rank)."""
+    rank0, rank1 = groups["actor_rollout"].weight_reads()
+    assert len(rank0) == 3 and "Qwen2ForCausalLM" in rank0, rank0  # actor, reference, critic
+    assert rank1 == [], rank1
 
 
 def test_generation_contract(groups):
