@@ -33,7 +33,12 @@ def test_builtin_task_learns_with_remove_padding_dynamic_sampling_and_rollout_co
     # dynamic sampling: every step says how many generation batches it used, and the checkpoint's loader
     # resumes after the last batch drawn, however many each step drew
     gen_batches = [r["train/num_gen_batches"] for r in records if "train/num_gen_batches" in r]
-    assert len(gen_batches) == STEPS and min(gen_batches) >= 1, gen_batches
+    filtered = [r["train/filtered_groups_frac"] for r in records if "train/filtered_groups_frac" in r]
+    assert len(gen_batches) == len(filtered) == STEPS, (gen_batches, filtered)
+    # The model starts right a fifth of the time, so some groups of 8 are all wrong (or, later, all right):
+    # the filter drops them, and a step that dropped any must draw more prompts to fill its batch.
+    assert max(gen_batches) > 1 and max(filtered) > 0, (gen_batches, filtered)
+    assert all((g > 1) == (f > 0) for g, f in zip(gen_batches, filtered)), (gen_batches, filtered)
     state = torch.load(next(tmp_path.rglob(f"global_step_{STEPS}/data/state.pt")), weights_only=True)["dataloader"]
     per_epoch = state["num_samples"] // state["batch_size"]
     assert state["epoch"] * per_epoch + state["batches_done"] == sum(gen_batches), (state, gen_batches)
