@@ -32,7 +32,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 needed=(hydra:hydra-core omegaconf:omegaconf antlr4:antlr4-python3-runtime tensordict:tensordict pyvers:pyvers
         cloudpickle:cloudpickle yaml:PyYAML pandas:pandas pyarrow:pyarrow matplotlib:matplotlib
         safetensors:safetensors tokenizers:tokenizers tqdm:tqdm pytest:pytest pytest_timeout:pytest-timeout
-        pluggy:pluggy iniconfig:iniconfig)
+        pluggy:pluggy iniconfig:iniconfig psutil:psutil)
 missing=()
 for pair in "${needed[@]}"; do
   "$python" -c "import ${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
@@ -42,7 +42,7 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   echo "gpu_check: installing from $wheels/: ${missing[*]}" >&2
   [[ -d $wheels ]] || fail "$wheels/ is missing: run scripts/gpu_wheels.sh on a machine with internet and bring the folder along"
   pip install --no-index --find-links "$wheels" --no-deps "${missing[@]}" \
-    || fail "could not install ${missing[*]} from $wheels/ (scripts/gpu_wheels.sh fills it; compiled ones such as pandas or pyarrow only with GPU_WHEELS_EXTRA='pandas pyarrow' scripts/gpu_wheels.sh <this Python's version>)"
+    || fail "could not install ${missing[*]} from $wheels/ (scripts/gpu_wheels.sh fills it; pandas, pyarrow and matplotlib only with GPU_WHEELS_EXTRA='pandas pyarrow matplotlib' scripts/gpu_wheels.sh <this Python's version>)"
 fi
 if ! "$python" -c 'import hflow, sys; sys.exit(0 if hflow.__file__.startswith(sys.argv[1]) else 1)' "$PWD" >/dev/null 2>&1; then
   echo "gpu_check: pip install --no-deps -e . (offline)" >&2

@@ -5,12 +5,13 @@
 # .gpu_wheels/ to that machine with the checkout.
 #
 #   scripts/gpu_wheels.sh [PYTHON_VERSION ...]     default: 3.10 3.11 3.12 (the GPU image's is unknown)
-#   GPU_WHEELS_EXTRA="pandas pyarrow" scripts/gpu_wheels.sh 3.12
+#   GPU_WHEELS_EXTRA="pandas pyarrow matplotlib" scripts/gpu_wheels.sh 3.12
 #                                                  also carry these (compiled: tens of MB per Python)
 #
-# The versions are the CPU stack's (what CI tests). All of them are pure-Python wheels today, so one
-# file serves every Python version; the per-version download still checks that each one installs
-# there (and picks the right build of anything compiled, e.g. an older tensordict or the extras).
+# The versions are the CPU stack's (what CI tests). Pure-Python wheels serve every Python version; the
+# compiled ones (PyYAML, safetensors, tokenizers, psutil, the extras) are fetched per version. The list
+# holds every package gpu_check.sh installs when the machine lacks it (tests/bench/test_gpu_check.py
+# checks that), except the large compiled extras (pandas, pyarrow, matplotlib), which the GPU image has.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -34,6 +35,11 @@ packages=(
   "setuptools==78.1.1"   # build backend of `pip install -e .` (offline build isolation)
   "wheel==0.48.0"
   "packaging==26.3"      # wheel's
+  "PyYAML==6.0.4"        # compiled, one per Python version: what gpu_check.sh installs when missing
+  "safetensors==0.8.0"
+  "tokenizers==0.23.3"
+  "tqdm==4.70.1"
+  "psutil==7.2.2"
 )
 read -r -a extra <<< "${GPU_WHEELS_EXTRA:-}"
 

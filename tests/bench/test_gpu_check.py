@@ -63,3 +63,51 @@ def test_smoke_cpu_runs_every_part_and_writes_the_report(tmp_path):
     assert [r["update_mfu"] for r in parts["c"]["rows"]] == [None, None]
     assert all(r["update_tokens_per_s"] > 0 and r["logprob_tokens_per_s"] > 0 for r in parts["c"]["rows"])
     assert "Ray / vLLM imported by this check | neither" in report
+
+
+# As on the GPU machine: ray and vllm are not installed (ModuleNotFoundError, which pytest.importorskip skips on;
+# a broken install's ImportError would stop the run, as it should).
+NOT_INSTALLED = '''
+import sys
+
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "vllm"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+'''
+
+
+def test_gpu_tests_are_collected_where_neither_ray_nor_vllm_imports(tmp_path):
+    """The GPU machine has torch but neither Ray nor vLLM: `pytest -m gpu tests`, as gpu_check.sh runs it,
+    must collect the gpu tests and skip the modules that need Ray, not stop at collection."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert '-m pytest -m gpu -p no:cacheprovider -q -rfE tests' in script  # the command checked here
+    (tmp_path / "sitecustomize.py").write_text(NOT_INSTALLED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rs", "tests"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "error" not in run.stdout.lower().split("short test summary")[-1], run.stdout[-3000:]
+    skipped_for_ray = [line for line in run.stdout.splitlines() if "needs Ray" in line]
+    assert len(skipped_for_ray) >= 3, run.stdout[-3000:]
+    gpu_tests = [line for line in run.stdout.splitlines() if "tests/gpu/test_cuda_path.py" in line]
+    assert gpu_tests, run.stdout[-3000:]  # collected (and, without CUDA here, skipped by tests/gpu/conftest.py)
+
+
+def test_gpu_wheels_fetch_everything_the_check_installs():
+    """Every distribution gpu_check.sh installs when missing is in gpu_wheels.sh's list (or its documented
+    extras), so the offline install on the GPU machine never lacks a wheel."""
+    import re
+
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    wheels = (ROOT / "scripts" / "gpu_wheels.sh").read_text()
+    needed_block = re.search(r"needed=\((.*?)\)", check, re.S).group(1)
+    installed = {pair.split(":")[1].lower() for pair in needed_block.split()}
+    fetched = {name.lower() for name in re.findall(r'"([A-Za-z0-9_.-]+)==', wheels)}
+    extras = {"pandas", "pyarrow", "matplotlib"}  # large compiled wheels: GPU_WHEELS_EXTRA
+    fetched.add("antlr4-python3-runtime")  # built from source by the script
+    assert installed - fetched - extras == set()
+    assert all(extra in wheels for extra in extras)
