@@ -37,6 +37,7 @@ __all__ = [
     "default_config",
     "default_section",
     "validate_config",
+    "check_override_key",
     "KL_TYPES",
     "LOSS_AGG_MODES",
     "ROLLOUT_NAMES",
@@ -542,16 +543,40 @@ def validate_config(config: DictConfig | dict, schema: type = PPOTrainerConfig) 
     try:
         return OmegaConf.merge(default_config(schema), config)
     except ConfigKeyError as err:
-        parent, _, key = str(err.full_key).rpartition(".")
-        section = OmegaConf.select(default_config(schema), parent) if parent else default_config(schema)
-        known = list(section.keys()) if isinstance(section, DictConfig) else []
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
-        raise ConfigError(f"{err.full_key} is not a configuration key; {hint}the keys of "
-                          f"{parent or 'the top level'} are: {', '.join(known)}") from None
+        raise _unknown_key(str(err.full_key), schema) from None
     except OmegaConfBaseException as err:
         reason = str(err.msg).splitlines()[0] if err.msg else type(err).__name__
         raise ConfigError(f"{err.full_key}: {reason}") from None
+
+
+def check_override_key(full_key: str, schema: type = PPOTrainerConfig) -> None:
+    """`full_key` of a command-line `key=value` is a key of the `schema`.
+
+    Hydra refuses an unknown key itself, before hflow sees the configuration, with a message that
+    names neither the key that was meant nor the keys that exist; this check comes first and does.
+    """
+    node: Any = default_config(schema)
+    parts = full_key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return  # below a list or a null section: Hydra and validate_config judge it
+        if part not in node:
+            if OmegaConf.get_type(node) is dict:  # a free-form map (reward_kwargs, override_config, ...)
+                raise ConfigError(f"{full_key} is not set yet, so it cannot be overridden; add it with a "
+                                  f"leading +: +{full_key}=...")
+            raise _unknown_key(".".join(parts[:depth + 1]), schema)
+        node = node[part]
+
+
+def _unknown_key(full_key: str, schema: type) -> ConfigError:
+    """The error for a key that `schema` lacks: the closest key of its section, and all of them."""
+    parent, _, key = full_key.rpartition(".")
+    section = OmegaConf.select(default_config(schema), parent) if parent else default_config(schema)
+    known = list(section.keys()) if isinstance(section, DictConfig) else []
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+    return ConfigError(f"{full_key} is not a configuration key; {hint}the keys of "
+                       f"{parent or 'the top level'} are: {', '.join(known)}")
 
 
 # ==================================================================================================
@@ -586,6 +611,7 @@ def check_train_batch(batch_prompts: int, n: int, world_size: int) -> None:
 
 def check_mini_batch(mini_batch_prompts: int, batch_prompts: int, prefix: str) -> None:
     """`<prefix>.ppo_mini_batch_size` prompts cut the training batch into whole mini-batches."""
+    check_positive(mini_batch_prompts, f"{prefix}.ppo_mini_batch_size")  # before dividing by it
     if mini_batch_prompts > batch_prompts:
         raise ConfigError(
             f"{prefix}.ppo_mini_batch_size ({mini_batch_prompts}) is larger than data.train_batch_size "

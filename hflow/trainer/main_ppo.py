@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hflow.config_schema import default_config, validate_config
+from hflow.config_schema import SCHEMAS, ConfigError, check_override_key, default_config, validate_config
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env
@@ -158,7 +158,57 @@ def plot_learning_curve(config: DictConfig) -> None:
         print(f"learning curve: {path}")
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def hflow_main(config_name: str):
+    """`hydra.main` for an hflow entry point whose configuration is `<config_name>.yaml` of CONFIG_DIR, with the
+    command line checked first: Hydra refuses an unknown key or a malformed argument itself, before
+    `run_cli` can catch anything, with its own message (which names neither the key meant nor the keys
+    that exist); `check_command_line` ends such a run as every other user error."""
+
+    def decorate(task):
+        hydra_main = hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base=None)(task)
+
+        def main() -> None:
+            try:
+                check_command_line(sys.argv[1:], SCHEMAS[config_name])
+            except UserError as err:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                _exit_with(err)
+            hydra_main()
+
+        main.__name__, main.__doc__ = task.__name__, task.__doc__
+        return main
+
+    return decorate
+
+
+def check_command_line(argv: list[str], schema: type) -> None:
+    """Every `key=value` or `~key` of `argv` reads as an override and names a key of `schema`. Hydra's
+    own options and keys (`hydra.*`, config groups) pass, and so do `+key=value` additions, which
+    `validate_config` judges once Hydra has added them."""
+    from hydra._internal.utils import get_args_parser  # the parser hydra.main itself reads argv with
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.config_name or args.config_path or args.config_dir:
+        return  # another configuration than `schema` describes
+    parser = OverridesParser.create()
+    for text in args.overrides:
+        try:
+            [override] = parser.parse_overrides([text])
+        except OverrideParseException as err:
+            reason = "; ".join(line for line in str(err).splitlines()
+                               if line and not line.startswith(("Error parsing override", "See https://")))
+            raise ConfigError(f"cannot read the command-line argument {text!r} ({reason}); write it as "
+                              "key=value (https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+        key = override.key_or_group
+        if override.is_add() or override.is_force_add() or key.startswith("hydra.") or "/" in key:
+            continue
+        check_override_key(key, schema)
+
+
+@hflow_main("ppo_trainer")
 def main(config: DictConfig) -> None:
     run_cli(run_ppo, config)
 
@@ -182,12 +232,16 @@ def run_cli(run, config: DictConfig) -> None:
         user_error = _user_error(err)
         if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        # The fault is in the config, data or reward function, not in hflow: the message alone, as the
-        # last lines printed (Ray stopped first, so none of its shutdown messages follow it).
-        _stop_ray()
-        sys.stdout.flush()
-        print(f"\nhflow: error: {user_error}", file=sys.stderr)
-        sys.exit(1)
+        _exit_with(user_error)
+
+
+def _exit_with(user_error: UserError) -> None:
+    """The fault is in the config, data or reward function, not in hflow: the message alone, as the last
+    lines printed (Ray stopped first, so none of its shutdown messages follow it)."""
+    _stop_ray()
+    sys.stdout.flush()
+    print(f"\nhflow: error: {user_error}", file=sys.stderr)
+    sys.exit(1)
 
 
 def _user_error(err: BaseException) -> UserError | None:

@@ -11,10 +11,9 @@ data or model given it trains on the built-in RLHF task's preference pairs. Conf
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
-from hflow.trainer.main_ppo import CONFIG_DIR, run_cli
+from hflow.trainer.main_ppo import hflow_main, run_cli
 from hflow.trainer.supervised_trainer import run_stage
 
 
@@ -22,7 +21,7 @@ def run_rm(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict[
     return run_stage(config, "rm", user_keys)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="rm_trainer", version_base=None)
+@hflow_main("rm_trainer")
 def main(config: DictConfig) -> None:
     run_cli(run_rm, config)
 

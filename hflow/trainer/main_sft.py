@@ -9,10 +9,9 @@ demonstrations. Configuration: `config/sft_trainer.yaml`.
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
-from hflow.trainer.main_ppo import CONFIG_DIR, run_cli
+from hflow.trainer.main_ppo import hflow_main, run_cli
 from hflow.trainer.supervised_trainer import run_stage
 
 
@@ -20,7 +19,7 @@ def run_sft(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
     return run_stage(config, "sft", user_keys)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="sft_trainer", version_base=None)
+@hflow_main("sft_trainer")
 def main(config: DictConfig) -> None:
     run_cli(run_sft, config)
 

@@ -23,6 +23,7 @@ from hflow.config_schema import (
     check_choice,
     check_micro_batch,
     check_mini_batch,
+    check_positive,
     check_placement,
     check_tensor_parallel,
     check_train_batch,
@@ -64,6 +65,7 @@ def preflight_check(config: DictConfig) -> None:
     n = int(rollout.n)
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
+    check_sizes(config)
 
     # files
     _check_files(data.train_files, "data.train_files")
@@ -73,6 +75,11 @@ def preflight_check(config: DictConfig) -> None:
     if config.custom_reward_function.path is not None and not Path(
             str(config.custom_reward_function.path)).expanduser().is_file():
         raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")
+    # Import the reward file now, so that a syntax error or a wrong .name stops the run before the
+    # tokenizer and data load (the trainer reuses the loaded file).
+    from hflow.workers.reward_manager.loader import get_custom_reward_fn
+
+    get_custom_reward_fn(config)
 
     # algorithm names
     known = [e.value for e in core_algos.AdvantageEstimator]
@@ -196,6 +203,46 @@ def preflight_check(config: DictConfig) -> None:
         if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
             raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
                               f"{torch.cuda.device_count()} GPUs")
+
+
+def check_sizes(config: DictConfig) -> None:
+    """Lengths, counts and batch sizes that must be positive. Unchecked, a 0 or a negative value fails late
+    and far from its key: in a worker after Ray started, as a division by zero, or inside a library."""
+    keys = ["data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.actor.ppo_epochs",
+            "actor_rollout_ref.rollout.val_kwargs.n", "actor_rollout_ref.rollout.prompt_length",
+            "actor_rollout_ref.rollout.response_length", "actor_rollout_ref.rollout.max_num_batched_tokens",
+            "actor_rollout_ref.rollout.max_num_seqs"]
+    # For these null, and 0 as well, mean "all" or "derived"; only a negative value is wrong.
+    for key in ("data.val_batch_size", "actor_rollout_ref.rollout.micro_batch_size",
+                "actor_rollout_ref.rollout.max_model_len", "trainer.total_training_steps"):
+        value = OmegaConf.select(config, key)
+        if value is not None and int(value) < 0:
+            raise ConfigError(f"{key} must be a positive integer (or null: see the comment in the config), got {value}")
+    # Where batches are cut by tokens the token budgets count, else the micro-batch sizes (the actor's and
+    # the critic's training micro-batches are checked with the mini-batches).
+    for section, dynamic, by_tokens, by_count in (
+            ("actor_rollout_ref.actor", "use_dynamic_bsz", ["ppo_max_token_len_per_gpu"], []),
+            ("actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz", ["log_prob_max_token_len_per_gpu"],
+             ["log_prob_micro_batch_size_per_gpu"]),
+            ("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz", ["log_prob_max_token_len_per_gpu"],
+             ["log_prob_micro_batch_size_per_gpu"]),
+            ("critic", "use_dynamic_bsz", ["ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"],
+             ["forward_micro_batch_size_per_gpu"])):
+        if section == "critic" and config.algorithm.adv_estimator != "gae":
+            continue  # no critic
+        names = by_tokens if OmegaConf.select(config, f"{section}.{dynamic}") else by_count
+        keys += [f"{section}.{name}" for name in names]
+    if config.algorithm.adv_estimator == "gae":
+        keys.append("critic.ppo_epochs")
+    if config.reward_model.enable:
+        keys.append("reward_model.micro_batch_size_per_gpu")
+        if config.reward_model.max_length is not None:
+            keys.append("reward_model.max_length")
+    for key in keys:
+        check_positive(OmegaConf.select(config, key), key)
+    if int(config.data.dataloader_num_workers) < 0:
+        raise ConfigError(f"data.dataloader_num_workers must be >= 0 (0 = load in the driver process), "
+                          f"got {config.data.dataloader_num_workers}")
 
 
 def check_reward_shaping(config: DictConfig) -> None:

@@ -122,6 +122,63 @@ def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ra
                                  "custom_reward_function.on_error=zero")
 
 
+# Bad inputs that once ended in a traceback or in Hydra's own message: (id, command line made in a folder
+# for the files it needs, words the message must hold).
+def _reward_file(root: Path, text: str) -> str:
+    (root / "my_reward.py").write_text(text)
+    return str(root / "my_reward.py")
+
+
+def _reward_file_with_syntax_error(root: Path) -> list[str]:
+    path = _reward_file(root, "def compute_score(:\n")
+    return [f"custom_reward_function.path={path}"]
+
+
+def _reward_function_not_in_file(root: Path) -> list[str]:
+    path = _reward_file(root, "def score(*args, **kwargs):\n    return 1.0\n")
+    return [f"custom_reward_function.path={path}", "custom_reward_function.name=compute_scor"]
+
+
+_BAD_INPUTS = [
+    ("reward-file-syntax-error", _reward_file_with_syntax_error,
+     ["custom_reward_function.path", "my_reward.py", "SyntaxError"]),
+    ("reward-function-not-in-file", _reward_function_not_in_file,
+     ["custom_reward_function.name='compute_scor'", "my_reward.py", "['score']"]),
+    ("zero-prompt-length", lambda root: ["data.max_prompt_length=0"], ["data.max_prompt_length"]),
+    ("negative-response-length", lambda root: ["data.max_response_length=-1"], ["data.max_response_length"]),
+    ("zero-mini-batch", lambda root: ["actor_rollout_ref.actor.ppo_mini_batch_size=0"],
+     ["actor_rollout_ref.actor.ppo_mini_batch_size"]),
+    ("mistyped-key", lambda root: ["data.train_batchsize=8"],
+     ["data.train_batchsize", "did you mean data.train_batch_size?"]),
+    ("argument-without-value", lambda root: ["data.train_batch_size"], ["data.train_batch_size", "key=value"]),
+]
+
+
+@pytest.mark.parametrize("make,named", [case[1:] for case in _BAD_INPUTS], ids=[case[0] for case in _BAD_INPUTS])
+def test_a_bad_input_ends_with_one_message_naming_it_before_ray_starts(builtin, tmp_path, make, named):
+    code, output, daemons = main_ppo(tmp_path, *make(tmp_path))  # the built-in task and model otherwise
+    assert_ends_with_the_message(code, output, *named)
+    # The message is the very last line printed (to stderr, after stdout was flushed).
+    assert output.strip().splitlines()[-1].startswith("hflow: error: "), output[-3000:]
+    assert "Started a local Ray instance" not in output
+    assert not daemons
+
+
+def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept():
+    from hflow.config_schema import ConfigError, PPOTrainerConfig, SFTTrainerConfig
+    from hflow.trainer.main_ppo import check_command_line
+
+    check_command_line(["--multirun", "data.train_batch_size=8,16", "~trainer.logger", "hydra.run.dir=out",
+                        "hydra/job_logging=disabled", "+custom_reward_function.reward_kwargs.bonus=1",
+                        "actor_rollout_ref.actor.optim.betas=[0.9,0.99]"], PPOTrainerConfig)
+    check_command_line(["--config-name", "my_own", "dataa.anything=1"], PPOTrainerConfig)  # not the schema's file
+    check_command_line(["model.path=/m"], SFTTrainerConfig)
+    with pytest.raises(ConfigError, match=r"\+custom_reward_function\.reward_kwargs\.bonus="):
+        check_command_line(["custom_reward_function.reward_kwargs.bonus=1"], PPOTrainerConfig)  # new: needs +
+    with pytest.raises(ConfigError, match="dataa is not a configuration key; did you mean data?"):
+        check_command_line(["dataa.train_batch_size=8"], PPOTrainerConfig)
+
+
 # --------------------------------------------------------------------------------------------- console
 
 # What differs between two prints of the same message: Ray's and vLLM's process prefixes, time stamps,

@@ -87,6 +87,17 @@ INVALID = [
       "actor_rollout_ref.actor.ppo_mini_batch_size=8"], ["trainer.async_steps=1", "algorithm.reuse_update_log_probs"]),
     (["trainer.placement=split", "actor_rollout_ref.rollout.name=hf"], ["trainer.placement=split", "rollout.name"]),
     (["trainer.placement=split", "trainer.backend=local", "trainer.n_gpus_per_node=1"], ["trainer.backend"]),
+    # lengths and sizes that must be positive (else a division by zero, or a failure in a worker or a library)
+    (["data.max_prompt_length=0"], ["data.max_prompt_length", "positive"]),
+    (["data.max_response_length=-1"], ["data.max_response_length", "positive"]),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=0"], ["actor_rollout_ref.actor.ppo_mini_batch_size", "positive"]),
+    (["actor_rollout_ref.actor.ppo_epochs=0"], ["actor_rollout_ref.actor.ppo_epochs"]),
+    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], ["rollout.log_prob_micro_batch_size_per_gpu"]),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0"],
+     ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]),
+    (["actor_rollout_ref.rollout.val_kwargs.n=0"], ["actor_rollout_ref.rollout.val_kwargs.n"]),
+    (["data.val_batch_size=-1"], ["data.val_batch_size"]),
+    (["data.dataloader_num_workers=-1"], ["data.dataloader_num_workers"]),
 ]
 
 
@@ -107,6 +118,19 @@ def test_unknown_data_source_fails_naming_it_unless_a_custom_function_is_set(fil
         preflight_check(config)
     preflight_check(make_config(files, f"data.val_files={files / 'custom.parquet'}",
                                 f"custom_reward_function.path={files / 'reward.py'}"))
+
+
+def test_a_reward_file_that_does_not_import_or_lacks_the_function_fails_in_preflight(files):
+    """Before the tokenizer and the data load: the file is imported by the preflight."""
+    from hflow.utils.errors import UserError
+
+    broken = files / "broken_reward.py"
+    broken.write_text("def compute_score(:\n")
+    with pytest.raises(UserError, match=r"custom_reward_function\.path=.*broken_reward\.py.*SyntaxError"):
+        preflight_check(make_config(files, f"custom_reward_function.path={broken}"))
+    with pytest.raises(UserError, match=r"custom_reward_function\.name='score'.*reward\.py.*\['compute_score'\]"):
+        preflight_check(make_config(files, f"custom_reward_function.path={files / 'reward.py'}",
+                                    "custom_reward_function.name=score"))
 
 
 def test_split_placement_passes_and_divides_the_nodes(files):

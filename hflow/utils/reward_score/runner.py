@@ -33,6 +33,8 @@ from multiprocessing.connection import Connection, wait
 from types import ModuleType
 from typing import Any
 
+from hflow.utils.errors import UserError
+
 __all__ = ["CallResult", "FileFunction", "ScoringPool"]
 
 # A worker that has not unpickled the function and reported ready by then is considered broken.
@@ -45,6 +47,24 @@ _STARTUP_TIMEOUT_S = 120.0
 
 # path → module, so that a worker (or the driver) executes each file once.
 _LOADED_FILES: dict[str, ModuleType] = {}
+
+
+# A reward file or function name that cannot be used is the user's to fix: UserErrors (the trainer prints
+# the message alone), each still the built-in type that callers of FileFunction have always caught.
+class RewardFileNotFoundError(UserError, FileNotFoundError):
+    pass
+
+
+class RewardFileImportError(UserError, RuntimeError):
+    pass
+
+
+class RewardFunctionNotFoundError(UserError, AttributeError):
+    pass
+
+
+class RewardFunctionNotCallableError(UserError, TypeError):
+    pass
 
 
 class FileFunction:
@@ -83,17 +103,19 @@ class FileFunction:
 
     def _load(self) -> Callable[..., Any]:
         if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"{self.config_key}.path={self.path!r}: no such file")
+            raise RewardFileNotFoundError(f"{self.config_key}.path={self.path!r}: no such file")
         module = _LOADED_FILES.get(self.path) or _exec_file(self.path, self.config_key)
         fn = getattr(module, self.name, None)
         if fn is None:
             defined = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith("_"))
-            raise AttributeError(
+            raise RewardFunctionNotFoundError(
                 f"{self.config_key}.name={self.name!r}: {self.path} defines no such function "
                 f"(it defines {defined}); set {self.config_key}.name to the function to call"
             )
         if not callable(fn):
-            raise TypeError(f"{self.config_key}.name={self.name!r}: {self.path} defines it, but it is not callable")
+            raise RewardFunctionNotCallableError(
+                f"{self.config_key}.name={self.name!r}: {self.path} defines it, but it is not a function; "
+                f"set {self.config_key}.name to the function to call")
         return fn
 
 
@@ -107,8 +129,13 @@ def _exec_file(path: str, config_key: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise RuntimeError(
-            f"{config_key}.path={path!r}: importing the file failed with {type(exc).__name__}: {exc}"
+        # The user sees this message without a traceback: say where in their file it failed (a
+        # SyntaxError's own message names the line; its frames are the compiler's, not the file's).
+        lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == path]
+        where = f" at line {lines[-1]}" if lines else ""
+        raise RewardFileImportError(
+            f"{config_key}.path={path!r}: importing the file failed{where} with {type(exc).__name__}: {exc}; "
+            f"fix the file, or set {config_key}.path to another one"
         ) from exc
     _LOADED_FILES[path] = module
     return module
