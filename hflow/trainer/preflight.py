@@ -217,7 +217,7 @@ def check_sizes(config: DictConfig) -> None:
                 "actor_rollout_ref.rollout.max_model_len", "trainer.total_training_steps"):
         value = OmegaConf.select(config, key)
         if value is not None and int(value) < 0:
-            raise ConfigError(f"{key} must be a positive integer (or null: see the comment in the config), got {value}")
+            raise ConfigError(f"{key} must not be negative (0 or null: see its comment in the config), got {value}")
     # Where batches are cut by tokens the token budgets count, else the micro-batch sizes (the actor's and
     # the critic's training micro-batches are checked with the mini-batches).
     for section, dynamic, by_tokens, by_count in (

@@ -27,7 +27,9 @@ def real(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
 def coin_flip(data_source, solution_str, ground_truth, extra_info=None, coin_seed=0, **kwargs):
     if extra_info["split"] != "train":
         return _true(solution_str, ground_truth)
-    coin = _COINS.setdefault(coin_seed, random.Random(coin_seed))
+    if coin_seed not in _COINS:
+        _COINS[coin_seed] = random.Random(coin_seed)
+    coin = _COINS[coin_seed]
     return float(coin.random() < 0.5)  # says nothing about the answer
 
 
