@@ -39,7 +39,9 @@ LIBRARY_NOISE: dict[str, tuple[str, ...]] = {
                               r"This model does not officially support disabling chunked prefill"),
     "vllm.config.vllm": (r"Enforce eager set", r"Inductor compilation was disabled",
                          r"Model Runner V2 requires Triton"),
-    "vllm.platforms.cpu": (r"Triton is not installed",),
+    # The second: on CPUs with AVX512-BF16, vLLM resets the SSM (mamba) cache dtype for every engine it
+    # configures, whether or not the model has SSM layers; nothing a user sets changes it.
+    "vllm.platforms.cpu": (r"Triton is not installed", r"Reset SSM cache type to float32"),
     "vllm.triton_utils.importing": (r"Triton is installed, but doesn't include CPU backend",),
     "ray._private.authentication.authentication_token_setup": (r"Token authentication is enabled for this Ray",),
 }
