@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import random
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -484,3 +485,26 @@ def test_hf_rollout_contract_on_fsdp2_module(world, hf_model, tiny_tokenizer):
     diff = max_masked_diff(out.batch["rollout_log_probs"], hf_log_probs(hf_model, out, TEMPERATURE), mask)
     assert diff < PARITY_TOL
     assert hf_model.training is False  # the mode it had before generating
+
+
+def test_stale_cpu_all_reduce_segments_are_removed_and_live_ones_kept():
+    """vLLM's CPU tensor-parallel engines reuse the same /dev/shm names in every run and never unlink them
+    (a second TP run failed with errno 17): segments no process maps are removed before an engine starts,
+    those a running engine maps stay."""
+    import mmap
+    import uuid
+
+    from hflow.workers.rollout.vllm_rollout import _remove_stale_cpu_shared_memory
+
+    tag = uuid.uuid4().hex[:8]
+    stale, live = Path(f"/dev/shm/{tag}-tp:0-[0-1]-cpushm_0"), Path(f"/dev/shm/{tag}-tp:0-[0-1]-cpushm_1")
+    for path in (stale, live):
+        path.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        try:
+            _remove_stale_cpu_shared_memory()
+            assert not stale.exists()
+            assert live.exists()
+        finally:
+            stale.unlink(missing_ok=True)
+            live.unlink(missing_ok=True)

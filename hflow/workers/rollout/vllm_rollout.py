@@ -16,6 +16,8 @@ would otherwise reuse KV computed with the old weights).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import random
@@ -85,6 +87,8 @@ class vLLMRollout(BaseRollout):
 
         self.tied_embeddings = _ties_embeddings(model_hf_config)
         engine_kwargs = self._engine_kwargs(model_path, config, model_hf_config, device_mesh)
+        if not is_cuda() and int(config.tensor_model_parallel_size) > 1:
+            _remove_stale_cpu_shared_memory()
         started = time.perf_counter()
         with _preserve_host_state():
             self.llm = LLM(**engine_kwargs)
@@ -251,6 +255,30 @@ class vLLMRollout(BaseRollout):
         """Shut the in-process engine down now (once): its tensor-parallel groups are subgroups of the
         worker's process group and cannot be destroyed after it, as vLLM would do at exit."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _remove_stale_cpu_shared_memory() -> None:
+    """Unlink the CPU tensor-parallel all-reduce segments that no live process maps.
+
+    vLLM's in-process CPU engines name them `/dev/shm/-tp:<i>-[<ranks>]-cpushm_<rank>`, the same in every
+    run, and never unlink them; creating one that exists fails ("create shm in SHMManager failed. errno:
+    17"), so without this every tensor-parallel run on CPU after the first on a machine would fail. A
+    segment that a running engine uses is mapped by its process and is kept. Every rank sweeps, then all
+    wait for each other before any creates its own.
+    """
+    segments = set(glob.glob("/dev/shm/*-cpushm_*"))
+    if segments:
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            try:
+                with open(maps) as f:
+                    segments -= {line.rstrip("\n").split(maxsplit=5)[-1] for line in f if "-cpushm_" in line}
+            except OSError:  # the process ended, or is not ours to read
+                continue
+        for path in segments:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _enforce_eager(value: Any) -> bool:
