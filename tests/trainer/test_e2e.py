@@ -238,8 +238,10 @@ def _start(assets: Path, run_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=grpo",
            "trainer.total_training_steps=500", *overrides(assets, run_dir)]
+    # Ctrl-C's default action, as under a terminal: a test run started in the background of a non-interactive
+    # shell (`bash -c '... &'`) inherits an ignored SIGINT, and an ignored signal stays ignored across exec.
     return subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_first_step(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 180) -> list[psutil.Process]:
@@ -281,7 +283,12 @@ def test_ctrl_c_stops_every_worker(assets, tmp_path):
     try:
         descendants = _wait_for_first_step(proc, tmp_path)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        output, _ = proc.communicate(timeout=60)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError("the run did not stop within 60 s of Ctrl-C; its last output:\n" + output[-6000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
