@@ -284,7 +284,7 @@ def part_b(part: Part, smoke: bool, workdir: Path) -> None:
     from hflow.config_schema import default_section
     from hflow.protocol import DataProto
     from hflow.utils import device
-    from hflow.utils.builtin_task import ensure_builtin_assets
+    from hflow.tasks.builtin_task import ensure_builtin_assets
     from hflow.utils.dataset.rl_dataset import RLHFDataset, collate_fn
     from hflow.utils.fsdp_utils import apply_fsdp2, load_causal_lm
     from hflow.workers.actor import DataParallelPPOActor

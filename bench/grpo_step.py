@@ -82,7 +82,7 @@ def log(message: str) -> None:
 def workload_files(name: str, data_dir: Path) -> tuple[str, str]:
     """(model folder, train parquet) of a workload, building them on first use."""
     if name == "builtin":
-        from hflow.utils.builtin_task import ensure_builtin_assets
+        from hflow.tasks.builtin_task import ensure_builtin_assets
 
         assets = ensure_builtin_assets()
         return assets.model_path, assets.train_file

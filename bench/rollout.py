@@ -66,7 +66,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     from hflow.protocol import DataProto
     from hflow.single_controller.base.worker import get_free_port
     from hflow.utils import fsdp_utils
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
     from hflow.utils.torch_functional import compute_position_id_with_mask
     from hflow.workers.fsdp_workers import _load_tokenizer
     from hflow.workers.rollout import HFRollout, vLLMRollout

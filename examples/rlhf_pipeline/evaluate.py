@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hflow.utils.dataset.rl_dataset import read_parquet
 from hflow.utils.reward_score.answer_style import compute_score
-from hflow.utils.rlhf_task import ensure_rlhf_task_data
+from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 
 _STYLE_PATTERNS = {
     "house": r"The answer is -?\d+\.",

@@ -24,7 +24,7 @@ SEED="${2:-1}"
 cd "$ROOT"
 bash scripts/setup.sh >/dev/null
 PY="${HFLOW_VENV:-$ROOT/.venv}/bin/python"
-DATA="$("$PY" -c 'from hflow.utils.rlhf_task import ensure_rlhf_task_data as d; print(d().root)')"
+DATA="$("$PY" -c 'from hflow.tasks.rlhf_task import ensure_rlhf_task_data as d; print(d().root)')"
 COMMON=(trainer.n_gpus_per_node=2 trainer.logger=[console,jsonl] trainer.seed="$SEED")
 STARTED=$SECONDS
 

@@ -41,7 +41,7 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
     command line (`user_keys`), nor a value that differs from the shipped default.
     """
-    from hflow.utils.builtin_task import ensure_builtin_assets
+    from hflow.tasks.builtin_task import ensure_builtin_assets
 
     def files() -> tuple[str, str]:
         assets = ensure_builtin_assets()
@@ -54,7 +54,7 @@ def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_
                        user_keys: frozenset[str]) -> None:
     """The built-in model at `model_key` and the built-in `data_files()` (train, val) where unset; with
     both, `apply_builtin_settings(settings_yaml)`. Shared by every stage's entry point."""
-    from hflow.utils.builtin_task import ensure_builtin_assets
+    from hflow.tasks.builtin_task import ensure_builtin_assets
 
     needs_model = OmegaConf.select(config, model_key) is None
     needs_data = config.data.train_files is None or config.data.val_files is None

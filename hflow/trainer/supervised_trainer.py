@@ -231,13 +231,13 @@ STAGES = {"sft": (SFTTrainer, "builtin_sft.yaml"), "rm": (RewardModelTrainer, "b
 
 
 def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> None:
-    """Unset data and model paths point at the built-in RLHF task (`hflow.utils.rlhf_task`) and the
+    """Unset data and model paths point at the built-in RLHF task (`hflow.tasks.rlhf_task`) and the
     built-in model; with both, `config/builtin_<stage>.yaml` replaces the shipped defaults it names."""
     from hflow.config_schema import SCHEMAS, default_config
     from hflow.trainer.main_ppo import fill_builtin_paths
 
     def files() -> tuple[str, str]:
-        from hflow.utils.rlhf_task import ensure_rlhf_task_data
+        from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 
         data = ensure_rlhf_task_data()
         return (data.sft_train, data.sft_val) if stage == "sft" else (data.rm_train, data.rm_val)

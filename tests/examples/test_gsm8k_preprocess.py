@@ -61,7 +61,7 @@ def test_converts_local_jsonl_folder(gsm8k, tmp_path):
 
 
 def test_output_feeds_the_dataset_and_the_reward(gsm8k, tmp_path):
-    from hflow.utils.tiny_models import build_tokenizer
+    from hflow.tasks.tiny_models import build_tokenizer
 
     write_jsonl(tmp_path / "train.jsonl", TRAIN)
     gsm8k.main(["--input", str(tmp_path / "train.jsonl"), "--local_dir", str(tmp_path / "out")])

@@ -26,7 +26,7 @@ PROMPT, RESPONSE = 12, 10
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
 
     return build_causal_lm(tmp_path_factory.mktemp("tiny"), preset="tiny", arch="qwen2", seed=0)
 

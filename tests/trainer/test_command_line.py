@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hflow.utils.builtin_task import ensure_builtin_assets
+from hflow.tasks.builtin_task import ensure_builtin_assets
 from tests.conftest import REPO_ROOT
 
 RAY_PROCESSES = ("raylet", "gcs_server")

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
-from hflow.utils.builtin_task import ensure_builtin_assets
+from hflow.tasks.builtin_task import ensure_builtin_assets
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4  # the uninterrupted run; a resumed run stops after 1 or 3 and continues to 4

@@ -27,7 +27,7 @@ from hflow.protocol import DataProto
 from hflow.trainer.ppo import reward_shaping
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty
 from hflow.trainer.preflight import check_reward_shaping
-from hflow.utils.builtin_task import ensure_builtin_assets
+from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.errors import UserError
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.reward_manager.naive import NaiveRewardManager

@@ -23,10 +23,10 @@ from omegaconf import OmegaConf
 from hflow.config_schema import SFTTrainerConfig, RMTrainerConfig, default_config
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.trainer.supervised_trainer import run_stage
-from hflow.utils.builtin_task import ensure_builtin_assets
+from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.dataset.supervised import PreferenceDataset, SFTDataset, preference_collate_fn, sft_collate_fn
 from hflow.utils.errors import DataError
-from hflow.utils.rlhf_task import ensure_rlhf_task_data
+from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 from hflow.workers.fsdp_workers import _load_tokenizer
 from hflow.workers.supervised_workers import preference_stats
 

@@ -6,7 +6,7 @@ import torch.distributed.checkpoint as dcp
 
 from hflow.utils import fsdp_utils
 from hflow.utils.checkpoint import FSDPCheckpointManager, resolve_checkpoint
-from hflow.utils.tiny_models import build_causal_lm
+from hflow.tasks.tiny_models import build_causal_lm
 
 
 @pytest.fixture(scope="module")

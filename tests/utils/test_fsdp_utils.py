@@ -399,7 +399,7 @@ def test_rank1_host_memory_during_model_setup_is_its_shard_plus_one_tensor(tmp_p
     Half the model is the floor on CPU, where the shards live in host memory (on GPU they do not)."""
     from safetensors import safe_open
 
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
 
     # ~36M parameters, ~139 MiB in fp32, in 3 layers: the largest tensor (an MLP matrix, 11 MiB) is
     # small beside half the model.

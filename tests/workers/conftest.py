@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2 'tiny' preset folder (weights, configs, tokenizer) that HF and vLLM both load."""
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
 
     return build_causal_lm(tmp_path_factory.mktemp("qwen2-tiny"), preset="tiny", arch="qwen2", seed=0)
 

@@ -23,7 +23,7 @@ from hflow.single_controller.ray import (
     create_colocated_worker_cls,
 )
 from hflow.trainer.main_ppo import CONFIG_DIR
-from hflow.utils.tiny_models import build_causal_lm
+from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 

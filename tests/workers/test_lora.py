@@ -15,7 +15,7 @@ from hflow.config_schema import ConfigError
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.utils import fsdp_utils
-from hflow.utils.tiny_models import build_causal_lm
+from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker

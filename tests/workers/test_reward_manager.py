@@ -56,7 +56,7 @@ def misbehave(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from hflow.utils.tiny_models import build_tokenizer
+    from hflow.tasks.tiny_models import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

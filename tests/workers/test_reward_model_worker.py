@@ -8,7 +8,7 @@ from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
-from hflow.utils.tiny_models import build_tokenizer
+from hflow.tasks.tiny_models import build_tokenizer
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.fsdp_workers import RewardModelWorker
 

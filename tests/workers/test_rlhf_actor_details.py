@@ -174,7 +174,7 @@ TWO_RANK_DECAY = 0.5
 def odd_model_dir(tmp_path_factory) -> Path:
     """The tiny model with an MLP width of 509: split over two ranks its MLP weights have shards of
     different sizes, which the sharded EMA and its checkpoint must handle."""
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
 
     return build_causal_lm(tmp_path_factory.mktemp("qwen2-odd"), preset="tiny", intermediate_size=509)
 

@@ -164,7 +164,7 @@ def push(rollout, model: torch.nn.Module) -> None:
 
 
 def test_tiny_model_is_reproducible(tmp_path, tiny_model_dir):
-    from hflow.utils.tiny_models import build_causal_lm, build_token_classification
+    from hflow.tasks.tiny_models import build_causal_lm, build_token_classification
 
     again = build_causal_lm(tmp_path / "again", preset="tiny", arch="qwen2", seed=0)
     files = sorted(p.name for p in tiny_model_dir.iterdir())

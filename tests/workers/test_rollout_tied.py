@@ -30,7 +30,7 @@ from tests.workers.test_rollout import (  # noqa: F401  (world is a fixture)
 def test_tied_embedding_model_follows_every_sync(tmp_path, tiny_tokenizer):
     """SmolLM2, Qwen2.5-0.5B..3B tie lm_head to the embedding; vLLM skips lm_head.weight on load, so
     the head must be re-tied after each sync or the sampler keeps its first (here random) head."""
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
 
     model_dir = build_causal_lm(tmp_path / "tied", preset="tiny", arch="qwen2", seed=3, tie_word_embeddings=True)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.utils import fsdp_utils
-from hflow.utils.tiny_models import build_causal_lm
+from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers import fsdp_workers
 from hflow.workers.config import ConfigError, normalize_actor_rollout_ref, normalize_critic

@@ -1,4 +1,4 @@
-"""The hidden rule of the built-in RLHF task (`hflow.utils.rlhf_task`): answers in the house style.
+"""The hidden rule of the built-in RLHF task (`hflow.tasks.rlhf_task`): answers in the house style.
 
 A response scores 1.0 when it is exactly ``The answer is N.`` with the right N, 0.5 in that form with a
 wrong N, 0 in any other form. The policy never sees this rule: in the pipeline it is what the preference

@@ -6,7 +6,7 @@ arguments give bit-identical files, so a test can build its model folder in a te
 instead of shipping weights. A causal-LM folder loads with both `AutoModelForCausalLM.from_pretrained`
 and `vllm.LLM(model=folder)`.
 
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
     model_dir = build_causal_lm("/tmp/qwen2-tiny", preset="tiny")
 """
 

@@ -1,4 +1,4 @@
-"""Tests of the built-in default task and model (hflow.utils.builtin_task).
+"""Tests of the built-in default task and model (hflow.tasks.builtin_task).
 
 They use QUICK_SPEC, a seconds-long build with the same structure as the default; the default
 build (about a minute of pre-training) is exercised by the end-to-end trainer run.
@@ -14,9 +14,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from hflow.utils import builtin_task as bt
+from hflow.tasks import builtin_task as bt
 from hflow.utils.reward_score.arithmetic import compute_score
-from hflow.utils.tiny_models import VLLM_CPU_HEAD_SIZES
+from hflow.tasks.tiny_models import VLLM_CPU_HEAD_SIZES
 
 QUICK = bt.QUICK_SPEC
 

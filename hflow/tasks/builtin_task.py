@@ -8,7 +8,7 @@ validation split, the other 115 the training split (disjoint problems). Rows fol
 contract (`data_source`, `prompt`, `ability`, `reward_model.ground_truth`, `extra_info`).
 
 **Model**: a 0.46M-parameter Qwen2 (hidden 128, 2 layers, 4 attention heads of size 32) with the
-deterministic byte-level BPE tokenizer and ChatML template of `hflow.utils.tiny_models` (each digit
+deterministic byte-level BPE tokenizer and ChatML template of `hflow.tasks.tiny_models` (each digit
 is one token). So that RL has something to fix, and can fix it in minutes on a CPU, it is
 pre-trained here, briefly and deterministically, on a *sloppy corpus*: every problem of the task
 family (both splits), answered correctly 20% of the time and **one too high** the other 80%
@@ -24,11 +24,11 @@ place, under a file lock, so a crashed or concurrent build never leaves a half-w
 is used. The same version and spec give the same bytes: the data is pure Python and the weights come
 from seeded, single-threaded CPU training (same torch build and CPU family).
 
-    from hflow.utils.builtin_task import ensure_builtin_assets
+    from hflow.tasks.builtin_task import ensure_builtin_assets
     assets = ensure_builtin_assets()      # about a minute the first time, instant afterwards
     assets.model_path, assets.train_file, assets.val_file
 
-`python -m hflow.utils.builtin_task` builds (or finds) the assets and prints where they are.
+`python -m hflow.tasks.builtin_task` builds (or finds) the assets and prints where they are.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
             cmd = [
                 sys.executable,
                 "-m",
-                "hflow.utils.builtin_task",
+                "hflow.tasks.builtin_task",
                 "--_build-model",
                 str(model_dir),
                 json.dumps(asdict(spec)),
@@ -437,7 +437,7 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
 
 
 def _build_model(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> None:
-    from hflow.utils.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm
 
     with _deterministic_torch(spec.seed):
         build_causal_lm(
@@ -588,7 +588,7 @@ def _main(argv: list[str]) -> int:
         return 0
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m hflow.utils.builtin_task", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hflow.tasks.builtin_task", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--cache-dir",
         default=None,

@@ -1,6 +1,6 @@
 """The built-in RLHF task: data for the three stages (SFT, reward model, PPO) on the built-in model.
 
-The prompts are the built-in arithmetic questions (`hflow.utils.builtin_task`, same train/val split).
+The prompts are the built-in arithmetic questions (`hflow.tasks.builtin_task`, same train/val split).
 Demonstrators answer every question correctly but in one of four styles:
 
     plain     "12"                  45 %
@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hflow.utils.builtin_task import Problem, builtin_problems, default_cache_root, split_problems
+from hflow.tasks.builtin_task import Problem, builtin_problems, default_cache_root, split_problems
 
 __all__ = ["DATA_SOURCE", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
 
