@@ -8,15 +8,21 @@ padded path's `compute_position_id_with_mask` values at those tokens):
     tokens     [p p a b c | d e p]   [a b | c p p]      ->   [a b c d e a b c]
     positions                                                [0 1 2 3 4 0 1 2]
 
-The model is called with `PackedMicroBatch.model_inputs()`: no attention mask, the restarting position
-ids and the sequence boundaries `cu_seq_lens_q/k` (transformers' varlen keywords). Each attention kernel
-then keeps every token inside its own sequence:
+The model is called through `PackedMicroBatch.forward(model, ...)`: no attention mask, the restarting
+position ids, the sequence boundaries `cu_seq_lens_q/k` (transformers' varlen keywords) and the same
+boundaries as Python ints (`hflow_sequence_bounds`), read from the device once per micro-batch, in
+`pack_micro_batch`. Each attention kernel then keeps every token inside its own sequence:
 
-- flash-attention 2 (GPU) runs its varlen kernel on `cu_seq_lens`;
-- `SDPA_VARLEN`, hflow's default where flash-attention is unavailable (CPU), runs PyTorch SDPA causally on
-  each sequence's slice, so attention costs sum(len_i^2), not N^2, and no N x N mask is ever used;
+- flash-attention 2 (GPU) runs its varlen kernel on `cu_seq_lens` (with `max_length_q/k` given as ints,
+  transformers reads nothing back from the device per layer) and builds no mask;
+- `SDPA_VARLEN`, hflow's default where flash-attention is unavailable (CPU, or a GPU without flash-attn),
+  runs PyTorch SDPA causally on each sequence's slice of the Python bounds, so attention costs
+  sum(len_i^2), not N^2, and no layer waits for the device. Its mask builder returns no mask while
+  `forward` runs (transformers would otherwise see the restarting position ids and build a (1, 1, N, N)
+  block-diagonal mask, 1 GiB at N = 32k, that this attention never reads);
 - any other implementation (sdpa, eager, flex named explicitly) gets transformers' block-diagonal
-  causal mask, built from the position ids (`find_packed_sequence_indices`): same values, N^2 work.
+  causal mask, built from the position ids (`find_packed_sequence_indices`): same values, N x N mask,
+  N^2 work.
 
 Every token sees exactly the context it has in the padded row, so the outputs are the padded path's.
 
@@ -29,6 +35,9 @@ prompt token (a response token must never be the first of its sequence).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,25 +47,52 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-__all__ = ["SDPA_VARLEN", "PackedMicroBatch", "pack_micro_batch"]
+__all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "pack_micro_batch"]
 
 SDPA_VARLEN = "hflow_sdpa_varlen"
+SEQUENCE_BOUNDS = "hflow_sequence_bounds"  # forward keyword: the packed offsets as a tuple of ints
+
+# True while `PackedMicroBatch.forward` runs a model: the mask builder below then builds no mask.
+_PACKED_FORWARD: ContextVar[bool] = ContextVar("hflow_packed_forward", default=False)
+
+
+@contextmanager
+def _packed_forward() -> Iterator[None]:
+    token = _PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_FORWARD.reset(token)
+
+
+def _sdpa_varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, except in a packed forward (no 2D mask given): none, as the attention below
+    attends per sequence from the bounds and reads no mask."""
+    if attention_mask is None and _PACKED_FORWARD.get():
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """PyTorch SDPA that, given packed sequences (`cu_seq_lens_q`), attends causally within each one.
+    """PyTorch SDPA that, given packed sequences, attends causally within each one.
 
-    Without `cu_seq_lens_q` (every padded forward) it is transformers' own SDPA attention, unchanged.
+    The bounds come as ints (`hflow_sequence_bounds`, what `PackedMicroBatch.forward` passes: nothing is
+    read from the device here) or else as the tensor `cu_seq_lens_q` (a caller of its own: read once per
+    layer). Without either (every padded forward) it is transformers' own SDPA attention, unchanged.
     query (1, H, N, D), key / value (1, H_kv, N, D) -> (1, N, H, D), as every attention function returns.
     """
-    boundaries = kwargs.get("cu_seq_lens_q")
-    if boundaries is None:
+    bounds = kwargs.get(SEQUENCE_BOUNDS)
+    if bounds is None and kwargs.get("cu_seq_lens_q") is not None:
+        bounds = kwargs["cu_seq_lens_q"].tolist()
+    if bounds is None:
+        if attention_mask is None and _PACKED_FORWARD.get():
+            raise RuntimeError(f"a packed forward reached {SDPA_VARLEN} without its sequence bounds "
+                               f"({SEQUENCE_BOUNDS} or cu_seq_lens_q): it would attend across sequences")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    bounds = boundaries.tolist()
     outputs = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
                                        dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
@@ -68,7 +104,7 @@ def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: to
 # Registered under a name of its own (transformers' extension point), chosen by
 # `fsdp_utils.default_attn_implementation` where flash-attention is unavailable; its padded masks are SDPA's.
 AttentionInterface.register(SDPA_VARLEN, _sdpa_varlen_attention)
-AttentionMaskInterface.register(SDPA_VARLEN, sdpa_mask)
+AttentionMaskInterface.register(SDPA_VARLEN, _sdpa_varlen_mask)
 
 
 @dataclass
@@ -79,13 +115,19 @@ class PackedMicroBatch:
     response_slots: torch.Tensor  # (K,) flat indices into (B, L) of those response tokens
     response_shape: tuple[int, int]  # (B, L)
     sequence_starts: torch.Tensor  # (B + 1,) int32 packed offsets of the sequences, then N (`cu_seqlens`)
+    bounds: tuple[int, ...]  # the same offsets, read once from the device
     longest: int  # tokens in the longest sequence
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of the packed forward (besides `use_cache`, `logits_to_keep`)."""
         return {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids,
                 "cu_seq_lens_q": self.sequence_starts, "cu_seq_lens_k": self.sequence_starts,
-                "max_length_q": self.longest, "max_length_k": self.longest}
+                "max_length_q": self.longest, "max_length_k": self.longest, SEQUENCE_BOUNDS: self.bounds}
+
+    def forward(self, model: torch.nn.Module, **kwargs: Any) -> Any:
+        """`model(**self.model_inputs(), **kwargs)`, with `SDPA_VARLEN` building no attention mask."""
+        with _packed_forward():
+            return model(**self.model_inputs(), **kwargs)
 
     def unpack_response(self, values: torch.Tensor) -> torch.Tensor:
         """Per-slot outputs (K, ...), in `scoring_positions` order -> (B, L, ...), zero at padded response
@@ -115,6 +157,7 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, resp
     lengths = valid.sum(-1)
     lengths = lengths[lengths > 0]  # an all-padding row is no sequence
     sequence_starts = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    bounds = tuple(sequence_starts.tolist())  # the one read of the boundaries for the whole forward
     return PackedMicroBatch(
         input_ids=input_ids.reshape(-1)[token_index].unsqueeze(0),
         position_ids=positions[token_index].unsqueeze(0),
@@ -122,5 +165,6 @@ def pack_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, resp
         response_slots=response_slots,
         response_shape=(batch, response_length),
         sequence_starts=sequence_starts,
-        longest=int(lengths.max()) if len(lengths) else 0,
+        bounds=bounds,
+        longest=max(b - a for a, b in zip(bounds[:-1], bounds[1:])) if len(bounds) > 1 else 0,
     )

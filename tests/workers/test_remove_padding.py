@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.utils.fsdp_utils import load_causal_lm, load_value_model
-from hflow.utils.packing import SDPA_VARLEN, pack_micro_batch
+from hflow.utils.packing import SDPA_VARLEN, SEQUENCE_BOUNDS, pack_micro_batch
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, resolved_copy
@@ -225,3 +225,136 @@ def test_workers_pass_the_model_flag_to_actor_ref_and_critic(model_dir: Path):
     assert normalize_critic(config.critic, world_size=1).use_remove_padding is False
     config.critic.model.use_remove_padding = True
     assert normalize_critic(config.critic, world_size=1).use_remove_padding is True
+
+
+# ------------------------------------------------------------------ long packed rows: no N x N mask, no per-layer reads
+
+LONG_ROWS, LONG_PROMPT, LONG_RESPONSE = 16, 64, 64  # up to 16 x 128 packed tokens (about 1250 here)
+
+
+@pytest.fixture(scope="module")
+def long_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Tiny Qwen2 models for 256-token rows, one with 2 layers and one with 4 (same widths)."""
+    paths = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        config = Qwen2Config(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=256)
+        paths[layers] = tmp_path_factory.mktemp(f"qwen2-long-{layers}")
+        Qwen2ForCausalLM(config).save_pretrained(paths[layers])
+    return paths
+
+
+def make_long_batch() -> DataProto:
+    gen = torch.Generator().manual_seed(3)
+    prompt_lens = torch.randint(LONG_PROMPT // 2, LONG_PROMPT + 1, (LONG_ROWS,), generator=gen)
+    response_lens = torch.randint(1, LONG_RESPONSE + 1, (LONG_ROWS,), generator=gen)
+    prompt_mask = (torch.arange(LONG_PROMPT) >= LONG_PROMPT - prompt_lens[:, None]).long()
+    attended = (torch.arange(LONG_RESPONSE) < response_lens[:, None]).long()
+    responses = torch.randint(1, VOCAB, (LONG_ROWS, LONG_RESPONSE), generator=gen) * attended
+    prompts = torch.randint(1, VOCAB, (LONG_ROWS, LONG_PROMPT), generator=gen) * prompt_mask
+    attention_mask = torch.cat([prompt_mask, attended], dim=-1)
+    tensors = {"input_ids": torch.cat([prompts, responses], dim=-1), "responses": responses,
+               "attention_mask": attention_mask, "position_ids": compute_position_id_with_mask(attention_mask),
+               "response_mask": attended}
+    return DataProto.from_dict(tensors, meta_info={"temperature": 1.0, "micro_batch_size": LONG_ROWS})
+
+
+class _LargestNewTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the largest storage any op creates (an output that is not one of its inputs' storages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                if t.untyped_storage().nbytes() > self.largest:
+                    self.largest, self.op = t.untyped_storage().nbytes(), func
+        return out
+
+
+@pytest.mark.parametrize("attn", [SDPA_VARLEN, "sdpa"])
+def test_packed_forward_allocates_no_n_by_n_mask(long_model_dirs: dict[int, Path], attn: str):
+    """Actor log-probs and critic values of a ~1.2k-token packed row: with the default `SDPA_VARLEN` no op
+    creates a tensor of N x N / 2 bytes or more (transformers' packed mask is a (1, 1, N, N) bool, N^2 bytes;
+    the largest real tensor here, an MLP activation, is N x 64 fp32, about N^2 / 5 bytes), and the results
+    are still the padded path's. An explicitly
+    named `sdpa` does build it (documented), which shows the probe sees such a mask."""
+    data = make_long_batch()
+    n = int(data.batch["attention_mask"].sum())
+    assert n > 1000
+    model_dir = long_model_dirs[2]
+    padded_actor = make_actor(model_dir, remove_padding=False, attn=attn)
+    packed_actor = make_actor(model_dir, remove_padding=True, attn=attn)
+    padded_critic, packed_critic = make_critic(model_dir, remove_padding=False), make_critic(model_dir, remove_padding=True)
+    if attn != SDPA_VARLEN:
+        for critic in (padded_critic, packed_critic):
+            critic.critic_module.config._attn_implementation = attn
+    with _LargestNewTensor() as probe:
+        log_probs, _ = packed_actor.compute_log_prob(data)
+        values = packed_critic.compute_values(data)
+    if attn == SDPA_VARLEN:
+        assert probe.largest < n * n // 2, (probe.largest, probe.op)
+    else:
+        assert probe.largest >= n * n, (probe.largest, probe.op)
+    mask = data.batch["attention_mask"][:, -LONG_RESPONSE:]
+    torch.testing.assert_close(log_probs, padded_actor.compute_log_prob(data)[0] * mask, atol=ATOL, rtol=0)
+    torch.testing.assert_close(values, padded_critic.compute_values(data) * mask, atol=ATOL, rtol=0)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's values back to Python (a device synchronisation on a GPU):
+    `.item()`, `bool()`, `int()` (`_local_scalar_dense`), `nonzero`; `.tolist()`, which on CPU dispatches
+    nothing, is counted by the test's patch of `torch.Tensor.tolist`."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_packed_forward_reads_the_sequence_bounds_once_not_per_layer(long_model_dirs: dict[int, Path], monkeypatch):
+    """The packed forward's reads of device values do not grow with the number of layers: the bounds are
+    read once, in `pack_micro_batch`, and reach every layer as ints."""
+    data = make_long_batch()
+    packed = pack_micro_batch(data.batch["input_ids"], data.batch["attention_mask"], LONG_RESPONSE)
+    probe = _HostReads()
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        probe.count += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    reads = {}
+    for layers, model_dir in long_model_dirs.items():
+        model = load_causal_lm(str(model_dir), attn_implementation=SDPA_VARLEN)
+        probe.count = 0
+        with torch.no_grad(), probe:
+            packed.forward(model, use_cache=False, logits_to_keep=packed.scoring_positions)
+        reads[layers] = probe.count
+    assert reads[2] == reads[4] <= 1, reads  # transformers' packed-sequence check, once per forward
+
+
+def test_packed_forward_without_bounds_fails_instead_of_attending_across_sequences(model_dir: Path, monkeypatch):
+    """Inside `PackedMicroBatch.forward` no mask is built, so the attention must get the bounds: without
+    them it raises rather than attend causally over the whole packed row."""
+    data = make_batch()
+    packed = pack_micro_batch(data.batch["input_ids"], data.batch["attention_mask"], RESPONSE_LEN)
+    inputs = packed.model_inputs()
+    for key in (SEQUENCE_BOUNDS, "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        inputs.pop(key)
+    monkeypatch.setattr(type(packed), "model_inputs", lambda self: inputs)
+    model = load_causal_lm(str(model_dir), attn_implementation=SDPA_VARLEN)
+    with pytest.raises(RuntimeError, match="without its sequence bounds"), torch.no_grad():
+        packed.forward(model, use_cache=False)

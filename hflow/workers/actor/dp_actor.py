@@ -127,16 +127,16 @@ class DataParallelPPOActor(BasePPOActor):
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`."""
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
-        packed = None
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
-            inputs = packed.model_inputs()
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
+            logits = packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions).logits
         else:
+            packed = None
             inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
             scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
             labels = responses
-        logits = self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
+            logits = self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
         # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
         # FSDP has hooked the output tensor, which an in-place op must not replace.
         logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature

@@ -52,7 +52,7 @@ class DataParallelPPOCritic(BasePPOCritic):
         response_length, seq_len = micro_batch["responses"].shape[-1], micro_batch["input_ids"].shape[-1]
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
-            values = self.critic_module(**packed.model_inputs(), use_cache=False).logits
+            values = packed.forward(self.critic_module, use_cache=False).logits
             return packed.unpack_response(values[0, packed.scoring_positions, 0].float())  # 0 at padded responses
         values = self.critic_module(
             input_ids=micro_batch["input_ids"],
