@@ -447,6 +447,21 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A module's tensor output that is a view (of the (B x T, labels) result of a biased Linear's addmm)
+    -> a copy of its own; anything else unchanged.
+
+    FSDP2 hooks a unit's outputs to gather its weights again before their backward. An in-place op on a
+    view output (`values += x`, `values.mul_(s)`) rebases the view on its base and drops that hook: the
+    weights stay freed and backward fails or computes wrong gradients (torch warns "FSDP2-wrapped module
+    ... returned a view tensor"). Used for the heads of `apply_fsdp2(fp32_modules=...)`, whose outputs
+    (B, T, labels) are small, so the copy is too; the root then returns no view either.
+    """
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return output.clone()
+    return None
+
+
 def apply_fsdp2(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -461,7 +476,8 @@ def apply_fsdp2(
 
     Each of `fp32_modules` (a critic's value head) becomes a unit of its own that computes in fp32
     whatever the mixed precision: its bf16 input is cast up and its output is not rounded to bf16,
-    which would leave a value about 3 significant digits.
+    which would leave a value about 3 significant digits. Its output, when a view (a Linear with a bias
+    on a 3-D input returns one), is copied to a tensor of its own first (`_output_not_a_view`).
 
     The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
     backward needs them first); run inference-only passes inside `no_grad_pass`, which frees them after.
@@ -478,6 +494,8 @@ def apply_fsdp2(
         units.append((layer, reshard_after_forward))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in fp32_modules:
+        # before FSDP's own post-forward hook, which hooks the output for backward
+        module.register_forward_hook(_output_not_a_view, prepend=True)
         fully_shard(module, reshard_after_forward=reshard_after_forward, **{**kwargs, "mp_policy": fp32})
         units.append((module, reshard_after_forward))
     fully_shard(model, reshard_after_forward=False, **kwargs)
