@@ -131,7 +131,7 @@ class FSDPConfig:
     optimizer_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool = True
-    gather_once_per_pass: bool = True
+    gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
     model_dtype: Optional[str] = None
     mixed_precision: Optional[dict[str, Any]] = None
 
@@ -185,7 +185,7 @@ class RefFSDPConfig:
     param_offload: bool = False
     offload_policy: bool = False
     reshard_after_forward: bool = True
-    gather_once_per_pass: bool = True
+    gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
 
 
 @dataclass
@@ -221,9 +221,9 @@ class RolloutConfig:
     ignore_eos: bool = False
     prompt_length: int = ref("data.max_prompt_length")
     response_length: int = ref("data.max_response_length")
-    dtype: Optional[str] = None  # None = bfloat16 on GPU, float32 on CPU (the worker decides)
+    dtype: Optional[str] = None  # None = bfloat16 on GPU (float16 before Ampere), float32 on CPU (the worker decides)
     tensor_model_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Optional[float] = None  # None = 0.5 colocated, 0.9 on devices of its own
     kv_cache_memory_bytes: Optional[int] = None
     max_model_len: Optional[int] = None  # None = prompt_length + response_length
     max_num_batched_tokens: int = 8192
@@ -293,7 +293,7 @@ class CriticConfig:
 class RewardModelFSDPConfig:
     param_offload: bool = False
     reshard_after_forward: bool = True
-    gather_once_per_pass: bool = True
+    gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
 
 
 @dataclass

@@ -102,9 +102,43 @@ def ray_resource() -> str:
     return "GPU" if is_cuda() else "CPU"
 
 
+# The first compute capability with bf16 arithmetic (Ampere); older GPUs (V100 7.0, T4 7.5) have none.
+BF16_CAPABILITY = (8, 0)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of this process's GPU; None on CPU."""
+    return tuple(torch.cuda.get_device_capability(get_device())) if is_cuda() else None
+
+
+def total_memory_bytes() -> int | None:
+    """Memory of this process's GPU in bytes; None on CPU (host memory is not one device's budget)."""
+    return int(torch.cuda.get_device_properties(get_device()).total_memory) if is_cuda() else None
+
+
+def compute_dtype_for(cuda: bool, capability: tuple[int, int] | None) -> torch.dtype:
+    """The dtype forward passes compute in on such a device: bf16 on GPUs that have it (compute
+    capability 8.0 on); fp32 on older GPUs, where fp16 with fp32 master weights would need a loss
+    scaler that hflow does not have; fp32 on CPU (exact, and fast enough)."""
+    has_bf16 = cuda and capability is not None and tuple(capability) >= BF16_CAPABILITY
+    return torch.bfloat16 if has_bf16 else torch.float32
+
+
+def rollout_dtype_for(cuda: bool, capability: tuple[int, int] | None) -> torch.dtype:
+    """vLLM's dtype on such a device: the compute dtype, except fp16 on GPUs without bf16 (generation
+    has no backward, so no loss scaler; vLLM itself falls back to fp16 for bf16 checkpoints there)."""
+    dtype = compute_dtype_for(cuda, capability)
+    return torch.float16 if cuda and dtype == torch.float32 else dtype
+
+
 def compute_dtype() -> torch.dtype:
-    """Default dtype for forward passes and generation: bf16 on GPU, fp32 on CPU (exact, and fast enough)."""
-    return torch.bfloat16 if is_cuda() else torch.float32
+    """Default dtype for forward passes on this process's device (`compute_dtype_for`)."""
+    return compute_dtype_for(is_cuda(), cuda_capability())
+
+
+def rollout_dtype() -> torch.dtype:
+    """Default dtype of the rollout engine and the weight stream on this device (`rollout_dtype_for`)."""
+    return rollout_dtype_for(is_cuda(), cuda_capability())
 
 
 def synchronize() -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "default_mixed_precision",
     "enable_gradient_checkpointing",
     "fsdp_clip_grad_norm",
+    "gather_once_fits",
     "is_lora_model",
     "is_sequence_classifier",
     "iter_full_params",
@@ -68,7 +69,9 @@ __all__ = [
     "load_value_model",
     "offload_fsdp_model_to_cpu",
     "offload_optimizer",
+    "rank0_broadcast_device",
     "reshard_fsdp_model",
+    "shards_on_host",
     "to_torch_dtype",
     "weights_from_rank0",
 ]
@@ -343,8 +346,34 @@ def load_reward_model(
     )
 
 
+def shards_on_host(cpu_offload: bool) -> bool:
+    """Whether `fsdp_config.offload_policy` keeps this process's shards in host memory: FSDP2's
+    `CPUOffloadPolicy`, on a GPU only (on CPU the shards are in host memory anyway)."""
+    return bool(cpu_offload) and device.is_cuda()
+
+
+def rank0_broadcast_device(cpu_offload: bool) -> torch.device:
+    """The device on which every rank holds its shards and buffers while `weights_from_rank0` sends rank 0's
+    weights: host memory when the shards live there (`shards_on_host`; the broadcasts then go over gloo, the
+    host half of `device.dist_backend()`), else this process's device (NCCL on GPUs). It depends on nothing
+    that differs between ranks, so every rank sends or receives each tensor on the same kind of device."""
+    return torch.device("cpu") if shards_on_host(cpu_offload) else device.get_device()
+
+
+def _move_buffers(model: nn.Module, target: torch.device) -> None:
+    """Every buffer of `model` to `target`, as `model.to` moves them (parameters stay where they are); a
+    buffer that several modules share stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != target:
+                if id(buffer) not in moved:
+                    moved[id(buffer)] = buffer.to(target)
+                module._buffers[name] = moved[id(buffer)]
+
+
 @contextmanager
-def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[None]:
+def weights_from_rank0(model: nn.Module, cpu_offload: bool = False) -> Iterator[None]:
     """Shard `model` in place inside this block (`apply_fsdp2`); on leaving it, every rank holds its
     shards of rank 0's weights and rank 0's buffers.
 
@@ -356,8 +385,8 @@ def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[
     keeps its slice of each, so a rank other than 0 needs its shards plus one full tensor, not the
     whole model (a 7B model in fp32 on an 8-GPU node: ~30 GB of host memory on rank 0 instead of
     ~30 GB on each of the 8 ranks). Models loaded on every rank work too (they are overwritten with
-    rank 0's weights). With one rank there is nothing to do. `host_shards`: the shards live in host
-    memory (FSDP2's CPUOffloadPolicy), so the empty ones are made there.
+    rank 0's weights). With one rank there is nothing to do. `cpu_offload`: the block shards with
+    `apply_fsdp2(..., cpu_offload=...)` set the same way.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
@@ -366,9 +395,14 @@ def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[
     # References, not copies: sharding replaces the module's parameters, these keep the full tensors.
     full_state = model.state_dict() if is_rank0 else {}
     yield
+    # `fully_shard` moved rank 0's buffers to the compute device whatever the offload policy (it offloads
+    # the shards only), and the other ranks' model is still empty: every rank's shards and buffers go to
+    # the one device of the broadcasts, or rank 0 would send over NCCL while the others wait on gloo.
+    source = rank0_broadcast_device(cpu_offload)
     if not is_rank0:
-        # meta shards -> uninitialised shards on this rank's device (FSDP2 re-registers them)
-        model.to_empty(device="cpu" if host_shards else device.get_device())
+        # meta shards -> uninitialised shards (FSDP2 re-registers them, pinned when offloaded)
+        model.to_empty(device=source)
+    _move_buffers(model, source)
     set_model_state_dict(
         model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
@@ -376,6 +410,7 @@ def weights_from_rank0(model: nn.Module, host_shards: bool = False) -> Iterator[
     # Buffers are not sharded, and the non-persistent ones (rotary `inv_freq`) are not in a state dict.
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+    _move_buffers(model, device.get_device())  # where the forward reads them, as FSDP2 placed rank 0's
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | Iterable[str] = "all-linear") -> nn.Module:
@@ -408,11 +443,13 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def default_mixed_precision() -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction on GPUs; plain fp32 on CPU, where hflow runs tests and
-    small examples that compare log-probabilities to 1e-5."""
-    if device.is_cuda():
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    """Compute in `device.compute_dtype()` with fp32 gradient reduction: bf16 on GPUs that have it; plain
+    fp32 on older GPUs and on CPU, where hflow runs tests and small examples that compare log-probabilities
+    to 1e-5."""
+    dtype = device.compute_dtype()
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def _mixed_precision_policy(mixed_precision: MixedPrecisionPolicy | Mapping[str, Any] | None) -> MixedPrecisionPolicy:
@@ -447,6 +484,42 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# The most of a GPU's memory that one model's full weights, in the compute dtype, may take to be kept
+# gathered through a no-grad pass when `gather_once_per_pass` is null. The rest holds the pass's activations
+# (one micro-batch's logits: 16 x 2k tokens x 152k vocabulary in fp32 is ~20 GB), the shards and optimizer
+# state of the actor, reference and critic, and a sleeping vLLM's leftovers. The models' passes run one after
+# another, so each model is judged alone: on 80 GB, 7B (15 GB in bf16) and below keep their weights
+# gathered, 14B (30 GB) and above gather each layer per micro-batch.
+GATHER_ONCE_MAX_FRACTION = 0.25
+
+
+def gather_once_fits(numel: int, dtype_bytes: int, device_bytes: int | None, cuda: bool) -> bool:
+    """What `gather_once_per_pass: null` means for a model of `numel` parameters computing in dtypes of
+    `dtype_bytes` on a device of `device_bytes`: on a GPU, whether the full weights fit in
+    `GATHER_ONCE_MAX_FRACTION` of it; on CPU always (host memory, and the pass's speed-up)."""
+    if not cuda:
+        return True
+    if not device_bytes:
+        return False
+    return numel * dtype_bytes <= GATHER_ONCE_MAX_FRACTION * device_bytes
+
+
+def _resolve_gather_once(model: nn.Module, setting: bool | None, mp_policy: MixedPrecisionPolicy) -> bool:
+    """`fsdp_config.gather_once_per_pass`: true/false as given; null by `gather_once_fits` for the unsharded
+    `model` (its parameters counted in the dtype they are gathered in)."""
+    if setting is not None:
+        return bool(setting)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    dtype_bytes = max(((mp_policy.param_dtype or p.dtype).itemsize for p in params), default=4)
+    total = device.total_memory_bytes()
+    fits = gather_once_fits(numel, dtype_bytes, total, device.is_cuda())
+    if device.is_cuda():
+        logger.info("gather_once_per_pass=null -> %s for %s: %.1f GB of weights gathered, device of %.1f GB",
+                    fits, type(model).__name__, numel * dtype_bytes / 1e9, (total or 0) / 1e9)
+    return fits
+
+
 def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     """A module's tensor output that is a view (of the (B x T, labels) result of a biased Linear's addmm)
     -> a copy of its own; anything else unchanged.
@@ -469,7 +542,7 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     fp32_modules: Iterable[nn.Module] = (),
-    gather_once_per_pass: bool = True,
+    gather_once_per_pass: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
     takes what is left (embeddings, final norm, LM / value head). Returns the same object.
@@ -481,13 +554,15 @@ def apply_fsdp2(
 
     The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
     backward needs them first); run inference-only passes inside `no_grad_pass`, which frees them after.
-    `gather_once_per_pass` lets such a pass gather each layer once for all its micro-batches.
+    `gather_once_per_pass` lets such a pass gather each layer once for all its micro-batches; None decides
+    by the model's size and the device's memory (`gather_once_fits`).
     `cpu_offload` keeps the shards, gradients and optimizer step on the host for good (FSDP2's
     `CPUOffloadPolicy`; meaningless, and skipped, on CPU); do not combine it with the per-phase
     `offload_*` / `load_*` helpers below, which would move that state back to the device.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
-    kwargs["offload_policy"] = CPUOffloadPolicy() if cpu_offload and device.is_cuda() else OffloadPolicy()
+    gather_once_per_pass = _resolve_gather_once(model, gather_once_per_pass, kwargs["mp_policy"])
+    kwargs["offload_policy"] = CPUOffloadPolicy() if shards_on_host(cpu_offload) else OffloadPolicy()
     units: list[tuple[nn.Module, bool]] = []
     for layer in _decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -510,10 +585,11 @@ def apply_fsdp2(
 def no_grad_pass(model: nn.Module) -> Iterator[None]:
     """An inference-only pass over several micro-batches (log-probs, values, scores), without gradients.
 
-    When `model` was sharded with `gather_once_per_pass` (the default), each unit's parameters are
-    all-gathered by the first micro-batch and kept until the pass ends, instead of being gathered again
-    for every micro-batch: one all-gather per layer per pass, at the cost of a full copy of the weights
-    (in the compute dtype) on the device while the pass runs. Either way, everything is resharded on
+    When `model` was sharded with `gather_once_per_pass` (by default on CPU, and on a GPU when the model
+    fits; see `apply_fsdp2`), each unit's parameters are all-gathered by the first micro-batch and kept
+    until the pass ends, instead of being gathered again for every micro-batch: one all-gather per layer
+    per pass, at the cost of a full copy of the weights (in the compute dtype) on the device while the
+    pass runs. Either way, everything is resharded on
     leaving, as no backward follows to do it. A plain `torch.no_grad()` for a model not sharded here.
     """
     units = getattr(model, "_hflow_reshard_after_forward", [])

@@ -52,8 +52,25 @@ def check_model_path(path: Any, key: str) -> None:
         raise ConfigError(f"{key}={path} has no weights (*.safetensors or *.bin)")
 
 
-def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) -> DictConfig:
-    """Check the `actor_rollout_ref` subtree for `role` and turn global batch sizes into per-rank ones."""
+# vLLM's share of each device when `rollout.gpu_memory_utilization` is null: half of it beside the training
+# models that take turns with the engine (colocated), most of it on a device of the engine's own (the rollout
+# pool of `trainer.placement=split`), leaving room for CUDA graphs and the weight stream's buffer.
+GPU_MEMORY_UTILIZATION = {"colocated": 0.5, "own_device": 0.9}
+
+
+def resolve_gpu_memory_utilization(value: Any, own_device: bool, key: str) -> float:
+    """`rollout.gpu_memory_utilization`: the user's fraction, or for null the default of where the engine
+    runs (`GPU_MEMORY_UTILIZATION`)."""
+    if value is None:
+        return GPU_MEMORY_UTILIZATION["own_device" if own_device else "colocated"]
+    if not 0.0 < float(value) <= 1.0:
+        raise ConfigError(f"{key} must be in (0, 1] (a fraction of each device's memory) or null, got {value}")
+    return float(value)
+
+
+def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, own_device: bool = False) -> DictConfig:
+    """Check the `actor_rollout_ref` subtree for `role` and turn global batch sizes into per-rank ones.
+    `own_device`: the rollout engine has its devices to itself (a standalone engine of the rollout pool)."""
     cfg = resolved_copy(config)
     prefix = "actor_rollout_ref"
     check_model_path(cfg.model.path, f"{prefix}.model.path")
@@ -70,10 +87,12 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int) 
         check_ptx(actor.ptx, f"{prefix}.actor.ptx")
         check_ema(actor.ema, f"{prefix}.actor.ema")
         check_lora(cfg, prefix)
-    if cfg.rollout.dtype is None:  # the engine's dtype, and the weight stream's: the device's compute dtype
-        from hflow.utils.device import compute_dtype
+    if cfg.rollout.dtype is None:  # the engine's dtype, and the weight stream's (fp16 on GPUs without bf16)
+        from hflow.utils.device import rollout_dtype
 
-        cfg.rollout.dtype = str(compute_dtype()).removeprefix("torch.")
+        cfg.rollout.dtype = str(rollout_dtype()).removeprefix("torch.")
+    cfg.rollout.gpu_memory_utilization = resolve_gpu_memory_utilization(
+        cfg.rollout.gpu_memory_utilization, own_device, f"{prefix}.rollout.gpu_memory_utilization")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
         check_tensor_parallel(int(cfg.rollout.tensor_model_parallel_size), world_size)
         check_choice(cfg.rollout.name, ROLLOUT_NAMES, f"{prefix}.rollout.name")

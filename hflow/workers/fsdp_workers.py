@@ -73,7 +73,7 @@ class _FSDPModelHolder:
 
         # `module` was read from disk on rank 0 only (`rank0_only=True`): the shards get its weights
         cpu_offload = fsdp_config.offload_policy
-        with fsdp_utils.weights_from_rank0(module, host_shards=cpu_offload and device.is_cuda()):
+        with fsdp_utils.weights_from_rank0(module, cpu_offload=cpu_offload):
             if gradient_checkpointing:
                 fsdp_utils.enable_gradient_checkpointing(module)
             module = fsdp_utils.apply_fsdp2(
@@ -81,7 +81,7 @@ class _FSDPModelHolder:
                 self.device_mesh,
                 mixed_precision=fsdp_config.get("mixed_precision"),  # the ref's fsdp_config has none: the default
                 reshard_after_forward=fsdp_config.reshard_after_forward,
-                gather_once_per_pass=fsdp_config.get("gather_once_per_pass", True),
+                gather_once_per_pass=fsdp_config.get("gather_once_per_pass"),  # null: by size and device memory
                 cpu_offload=cpu_offload,
                 fp32_modules=fp32_modules,
             )

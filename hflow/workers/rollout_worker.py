@@ -40,7 +40,7 @@ class RolloutWorker(Worker):
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoConfig, GenerationConfig
 
-        self.config = normalize_actor_rollout_ref(self.raw_config, "rollout", self.world_size)
+        self.config = normalize_actor_rollout_ref(self.raw_config, "rollout", self.world_size, own_device=True)
         model_cfg, rollout_cfg = self.config.model, self.config.rollout
         # The engine owns its device for the whole run: nothing to hand back between generations.
         rollout_cfg.free_cache_engine = False

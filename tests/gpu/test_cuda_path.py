@@ -62,7 +62,10 @@ def test_device_helper_chooses_cuda():
     assert device.is_cuda()
     assert device.get_device().type == "cuda"
     assert "nccl" in device.dist_backend()
-    assert device.compute_dtype() == torch.bfloat16
+    has_bf16 = device.cuda_capability() >= device.BF16_CAPABILITY
+    assert device.compute_dtype() == (torch.bfloat16 if has_bf16 else torch.float32)
+    assert device.rollout_dtype() == (torch.bfloat16 if has_bf16 else torch.float16)
+    assert device.total_memory_bytes() == torch.cuda.get_device_properties(0).total_memory
 
 
 def test_peak_flops_known_for_datacenter_gpus():

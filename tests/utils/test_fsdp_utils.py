@@ -33,6 +33,7 @@ from hflow.utils.fsdp_utils import (
     default_attn_implementation,
     enable_gradient_checkpointing,
     fsdp_clip_grad_norm,
+    gather_once_fits,
     iter_full_params,
     load_causal_lm,
     load_fsdp_model_to_device,
@@ -42,6 +43,7 @@ from hflow.utils.fsdp_utils import (
     no_grad_pass,
     offload_fsdp_model_to_cpu,
     offload_optimizer,
+    rank0_broadcast_device,
     reshard_fsdp_model,
     weights_from_rank0,
 )
@@ -172,16 +174,18 @@ def _gathered_layers(model) -> list[bool]:
     return [not isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers]
 
 
-@pytest.mark.parametrize("gather_once", [True, False])
-def test_no_grad_pass_gathers_each_layer_once_then_restores_resharding(model_dir: Path, mesh, gather_once: bool):
+@pytest.mark.parametrize("gather_once", [True, False, None])
+def test_no_grad_pass_gathers_each_layer_once_then_restores_resharding(model_dir: Path, mesh, gather_once):
     model = apply_fsdp2(load_causal_lm(str(model_dir)), mesh, gather_once_per_pass=gather_once)
     with torch.no_grad():
         expected = model(**inputs()).logits
     reshard_fsdp_model(model)
     with no_grad_pass(model):
         first = model(**inputs()).logits
-        # kept gathered between micro-batches only when asked; the gradient mode is off either way
-        assert _gathered_layers(model) == [gather_once] * len(model.model.layers)
+        # kept gathered between micro-batches only when asked (None: a model this small is, on any device);
+        # the gradient mode is off either way
+        kept = True if gather_once is None else gather_once
+        assert _gathered_layers(model) == [kept] * len(model.model.layers)
         assert not torch.is_grad_enabled()
         second = model(**inputs()).logits
     torch.testing.assert_close(first, expected, atol=0, rtol=0)
@@ -190,6 +194,40 @@ def test_no_grad_pass_gathers_each_layer_once_then_restores_resharding(model_dir
     # training afterwards reshards each layer after its forward again, as configured
     model(**inputs()).logits.sum()
     assert _gathered_layers(model) == [False] * len(model.model.layers)
+
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(("params", "expected"), [(0.5e9, True), (7.6e9, True), (14.8e9, False), (32.8e9, False)])
+def test_gather_once_by_default_on_a_gpu_only_when_the_bf16_weights_fit_a_quarter_of_it(params, expected):
+    """`gather_once_per_pass: null` on an 80 GB GPU: Qwen2.5-0.5B and 7B keep their bf16 weights gathered
+    through a no-grad pass, 14B (~30 GB, ~77 GB with a critic) and 32B do not; on CPU every size does."""
+    assert gather_once_fits(int(params), 2, 80 * GB, cuda=True) is expected
+    assert gather_once_fits(int(params), 2, None, cuda=False) is True
+    assert gather_once_fits(int(params), 2, 8000 * GB, cuda=True) is True  # the budget scales with the device
+
+
+def test_gather_once_null_counts_the_model_in_its_compute_dtype_and_a_setting_wins(model_dir: Path, monkeypatch):
+    """The default counts the unsharded model's parameters in the dtype they are gathered in (bf16 mixed
+    precision: 2 bytes each) against the device's memory; true or false as given wins."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hflow.utils.fsdp_utils import _resolve_gather_once
+
+    model = load_causal_lm(str(model_dir))
+    numel = sum(p.numel() for p in model.parameters())
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    monkeypatch.setattr(device, "device_name", lambda: "cuda")
+    # a device of which the bf16 weights take a quarter, or just over
+    for memory, fits in [(4 * 2 * numel, True), (4 * 2 * numel - 4, False)]:
+        monkeypatch.setattr(device, "total_memory_bytes", lambda memory=memory: memory)
+        assert _resolve_gather_once(model, None, bf16) is fits
+        assert _resolve_gather_once(model, True, bf16) is True
+        assert _resolve_gather_once(model, False, bf16) is False
+    # without mixed precision the fp32 parameters are gathered: twice the bytes
+    monkeypatch.setattr(device, "total_memory_bytes", lambda: 4 * 2 * numel)
+    assert _resolve_gather_once(model, None, MixedPrecisionPolicy()) is False
 
 
 def test_clip_grad_norm_is_the_norm_of_the_unwrapped_model(model_dir: Path, mesh):
@@ -317,13 +355,15 @@ def _compare_rank0_loading_main(rank: int, world_size: int, port: int, paths: di
         for case, path in paths.items():
             load = loaders[case]
 
+            offload = case == "tied"  # `offload_policy` on: host shards on a GPU, the same as without on CPU
+
             def shard(m):  # as the workers do; the critic's 1-row head is a unit of its own (empty on rank 1)
-                return apply_fsdp2(m, mesh, fp32_modules=[m.score] if case == "value" else ())
+                return apply_fsdp2(m, mesh, fp32_modules=[m.score] if case == "value" else (), cpu_offload=offload)
 
             everywhere = shard(load(path))  # the old way: every rank reads the whole model
             model = load(path, rank0_only=True)
             assert all(p.is_meta for p in model.parameters()) == (rank != 0), case  # rank 1 read nothing
-            with weights_from_rank0(model):
+            with weights_from_rank0(model, cpu_offload=offload):
                 shard(model)
 
             expected = everywhere.state_dict()
@@ -361,6 +401,76 @@ def test_rank0_loading_gives_every_rank_the_model_each_rank_would_have_loaded(tm
     torch.multiprocessing.spawn(
         _compare_rank0_loading_main, args=(2, free_port(), {k: str(v) for k, v in paths.items()}), nprocs=2
     )
+
+
+@pytest.fixture
+def as_cuda(monkeypatch):
+    """The device helper answers as on an 8-GPU node; nothing here makes a CUDA call."""
+    monkeypatch.setattr(device, "device_name", lambda: "cuda")
+    monkeypatch.setattr(device, "visible_device_count", lambda: 8)
+
+
+def test_rank0_broadcast_device_is_where_the_shards_live(as_cuda):
+    assert rank0_broadcast_device(cpu_offload=False) == torch.device("cuda", 0)
+    assert rank0_broadcast_device(cpu_offload=True) == torch.device("cpu")  # CPUOffloadPolicy: host shards, gloo
+
+
+def test_rank0_broadcast_device_on_cpu_is_the_host():
+    assert rank0_broadcast_device(cpu_offload=False) == rank0_broadcast_device(cpu_offload=True) == torch.device("cpu")
+
+
+class _Rotary(torch.nn.Module):
+    """A parameter, a rotary-style non-persistent buffer and a persistent one."""
+
+    def __init__(self, param_device: str | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(4, 4, device=param_device))
+        self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+        self.register_buffer("scale", torch.ones(3))
+
+
+def _rank0_loading_as_on_a_gpu(rank: int, cpu_offload: bool, monkeypatch) -> tuple[list, set]:
+    """`weights_from_rank0` as rank `rank` of two on a GPU node, with fake tensors (they carry a CUDA device
+    without CUDA) and the collectives recorded: the device of every tensor rank 0's state dict is broadcast
+    into, and of every buffer broadcast; and where the buffers are afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hflow.utils import fsdp_utils
+
+    seen: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(("buffer", tensor.device)))
+    monkeypatch.setattr(fsdp_utils, "set_model_state_dict", lambda model, full, options: seen.extend(
+        ("state", value.device) for value in model.state_dict().values()))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    if rank == 0:  # read from disk, then sharded: shards where the offload policy keeps them
+        with fake:
+            model = _Rotary("cpu" if cpu_offload else "cuda:0")
+    else:
+        with torch.device("meta"):  # built empty
+            model = _Rotary()
+    with fake:
+        with weights_from_rank0(model, cpu_offload=cpu_offload):
+            if rank == 0:  # what `fully_shard` does to buffers, whatever the offload policy
+                for module in model.modules():
+                    for name, buffer in module._buffers.items():
+                        module._buffers[name] = buffer.to("cuda:0")
+        return seen, {buffer.device for buffer in model.buffers()}
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_every_rank_broadcasts_on_the_same_device_whatever_the_offload_policy(as_cuda, monkeypatch, cpu_offload):
+    """Rank 0's buffers sit where `fully_shard` put them (the GPU, even with `offload_policy`), the other
+    ranks' where their empty model is materialised: before the broadcasts every rank's shards and buffers
+    go to `rank0_broadcast_device`, so no rank sends over NCCL to a rank that waits on gloo, and the state
+    dict's tensors share one device (torch refuses a mix); afterwards the buffers are on the GPU."""
+    source = rank0_broadcast_device(cpu_offload)
+    sender, sender_buffers = _rank0_loading_as_on_a_gpu(0, cpu_offload, monkeypatch)
+    receiver, receiver_buffers = _rank0_loading_as_on_a_gpu(1, cpu_offload, monkeypatch)
+    assert sender == receiver == [("state", source)] * 2 + [("buffer", source)] * 2
+    assert sender_buffers == receiver_buffers == {torch.device("cuda", 0)}
 
 
 def _status_kib(field: str) -> int:

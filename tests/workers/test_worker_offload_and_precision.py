@@ -144,21 +144,78 @@ def test_offload_policy_with_per_phase_offload_is_rejected_naming_both_keys(mode
     assert f"{section}.offload_policy" in str(error.value) and f"{section}.{clashing}" in str(error.value)
 
 
-def test_offload_policy_reaches_apply_fsdp2(model_path, world_of_one, monkeypatch):
-    requested = []
-    apply_fsdp2 = fsdp_utils.apply_fsdp2
+def test_offload_policy_and_gather_once_reach_the_sharding(model_path, world_of_one, monkeypatch):
+    """`offload_policy` reaches both `apply_fsdp2` and `weights_from_rank0` (which must agree on where the
+    shards live); `gather_once_per_pass` arrives as given, null (decided by size and device) by default."""
+    requested, loading = [], []
+    apply_fsdp2, weights_from_rank0 = fsdp_utils.apply_fsdp2, fsdp_utils.weights_from_rank0
 
-    def record(*args, cpu_offload=False, **kwargs):
-        requested.append(cpu_offload)
-        return apply_fsdp2(*args, cpu_offload=cpu_offload, **kwargs)  # skipped on CPU, used on GPU
+    def record(*args, cpu_offload=False, gather_once_per_pass="unset", **kwargs):
+        requested.append((cpu_offload, gather_once_per_pass))
+        # skipped on CPU, used on GPU
+        return apply_fsdp2(*args, cpu_offload=cpu_offload, gather_once_per_pass=gather_once_per_pass, **kwargs)
+
+    def record_loading(model, cpu_offload=False):
+        loading.append(cpu_offload)
+        return weights_from_rank0(model, cpu_offload=cpu_offload)
 
     monkeypatch.setattr(fsdp_utils, "apply_fsdp2", record)
+    monkeypatch.setattr(fsdp_utils, "weights_from_rank0", record_loading)
     config = make_config(model_path, "actor_rollout_ref.ref.fsdp_config.offload_policy=true",
-                         "critic.model.fsdp_config.offload_policy=true")
+                         "critic.model.fsdp_config.offload_policy=true",
+                         "actor_rollout_ref.actor.fsdp_config.gather_once_per_pass=false")
     ActorRolloutRefWorker(config.actor_rollout_ref, role="actor").init_model()
     ActorRolloutRefWorker(config.actor_rollout_ref, role="ref").init_model()
     CriticWorker(config.critic).init_model()
-    assert requested == [False, True, True]  # actor (default off), ref, critic
+    assert requested == [(False, False), (True, None), (True, None)]  # actor (defaults off), ref, critic
+    assert loading == [False, True, True]
+
+
+# ------------------------------------------------------------------ the rollout engine's memory and dtype
+
+
+def test_gpu_memory_utilization_null_is_half_colocated_and_most_on_devices_of_its_own(model_path):
+    def utilization(*overrides: str, own_device: bool) -> float:
+        config = make_config(model_path, *overrides)
+        role = "rollout" if own_device else "actor_rollout_ref"
+        normalized = normalize_actor_rollout_ref(config.actor_rollout_ref, role, 1, own_device=own_device)
+        return normalized.rollout.gpu_memory_utilization
+
+    assert utilization(own_device=False) == 0.5
+    assert utilization(own_device=True) == 0.9
+    given = "actor_rollout_ref.rollout.gpu_memory_utilization=0.7"
+    assert utilization(given, own_device=False) == utilization(given, own_device=True) == 0.7
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.gpu_memory_utilization must be in \(0, 1\]"):
+        utilization("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", own_device=True)
+
+
+def test_standalone_rollout_worker_sizes_its_engine_for_a_device_of_its_own(model_path, monkeypatch):
+    """The split placement's `RolloutWorker` normalises its config as the owner of its devices."""
+    from hflow.workers import rollout_worker
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(config, role, world_size, own_device=False):
+        seen["config"] = normalize_actor_rollout_ref(config, role, world_size, own_device=own_device)
+        raise Stop  # the engine itself is not needed
+
+    monkeypatch.setattr(rollout_worker, "normalize_actor_rollout_ref", spy)
+    with pytest.raises(Stop):
+        rollout_worker.RolloutWorker(make_config(model_path).actor_rollout_ref).init_model()
+    assert seen["config"].rollout.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [((9, 0), "bfloat16"), ((7, 0), "float16")])
+def test_rollout_dtype_null_follows_the_gpus_bf16_support(model_path, monkeypatch, capability, dtype):
+    from hflow.utils import device
+
+    monkeypatch.setattr(device, "device_name", lambda: "cuda")
+    monkeypatch.setattr(device, "cuda_capability", lambda: capability)
+    config = make_config(model_path)
+    assert normalize_actor_rollout_ref(config.actor_rollout_ref, "actor_rollout_ref", 1).rollout.dtype == dtype
 
 
 # ------------------------------------------------------------------ critic values in fp32
