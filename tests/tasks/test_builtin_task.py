@@ -114,6 +114,7 @@ def test_model_and_tokenizer_load(quick_assets):
         [{"role": "user", "content": text}],
         add_generation_prompt=True,
         return_tensors="pt",
+        return_dict=True,  # the default from transformers 5 on
     )
     input_ids = enc["input_ids"]
     with torch.no_grad():
