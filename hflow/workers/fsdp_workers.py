@@ -60,6 +60,13 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
     return output.to("cpu")
 
 
+def engine_info_of(rollout, context, hf_config) -> dict[str, int]:
+    """What one rank's vLLM engine really runs: its TP size and rank (from the generation `context`),
+    and how many rows of the input embedding it holds (the padded vocabulary / TP when sharded)."""
+    return {**rollout.parallel_layout(), "tp_rank": context.tp_rank, "dp_rank": context.dp_rank,
+            "vocab_size": int(hf_config.get_text_config().vocab_size)}
+
+
 def _memory_metrics() -> dict[str, float]:
     return {"perf/max_memory_allocated_gb": device.max_memory_allocated_gib()}
 
@@ -255,6 +262,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         """Sample responses with the actor's current weights (synced into the engine on entry)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
         return generate_with(self.rollout, self.sharding_manager, prompts, self.generation_config, self.tokenizer)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def engine_info(self) -> dict[str, int]:
+        """What this rank's colocated vLLM engine really runs (`engine_info_of`)."""
+        self._require(self._is_rollout, "engine_info", "rollout")
+        return engine_info_of(self.rollout, self.sharding_manager, self.hf_config)
 
     def _log_prob_meta(self, data: DataProto, section: DictConfig) -> None:
         data.meta_info.update(

@@ -17,7 +17,7 @@ from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.workers.config import normalize_actor_rollout_ref
-from hflow.workers.fsdp_workers import _load_tokenizer, generate_with
+from hflow.workers.fsdp_workers import _load_tokenizer, engine_info_of, generate_with
 from hflow.workers.weight_sync import SENDER, StreamedWeights, WeightGroup, WeightManifest
 
 __all__ = ["RolloutWorker"]
@@ -66,11 +66,10 @@ class RolloutWorker(Worker):
                     "holding %d of the model's %d embedding rows", self.rank, info["tensor_parallel_size"],
                     info["tp_rank"], info["dp_rank"], info["embedding_rows"], info["vocab_size"])
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_info(self) -> dict[str, int]:
-        """What this rank's engine really runs: its TP size and rank, and how many rows of the input
-        embedding it holds (the vocabulary, padded, divided by the TP size when the weights are sharded)."""
-        return {**self.rollout.parallel_layout(), "tp_rank": self.context.tp_rank, "dp_rank": self.context.dp_rank,
-                "vocab_size": int(self.hf_config.get_text_config().vocab_size)}
+        """What this rank's engine really runs (`engine_info_of`)."""
+        return engine_info_of(self.rollout, self.context, self.hf_config)
 
     # ------------------------------------------------------------------ weights
 

@@ -238,7 +238,8 @@ class RayPPOTrainer:
         if rollout_init is not None:
             rollout_init.result()
             self._connect_weight_stream()
-            print(describe_rollout_pool(self.rollout_wg.execute_all_sync("engine_info")))
+        if arr.rollout.name == "vllm":  # colocated or split: what the engines hold, rank by rank
+            print(describe_rollout_pool(self.rollout_wg.engine_info()))
 
     def _connect_weight_stream(self) -> None:
         """A process group over the actor's rank 0 and every rollout rank (see hflow.workers.weight_sync)."""
