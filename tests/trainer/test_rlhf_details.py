@@ -368,7 +368,9 @@ def _train(tmp_path, reward_model, steps: int) -> tuple[str, list[dict]]:
          f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=-1",
          "reward_model.enable=true", f"reward_model.model.path={reward_model}",
          "reward_model.normalize.enable=true", "reward_model.normalize.num_prompts=16",
-         "algorithm.reward_clip=0.5", "algorithm.stop_token='<|im_end|>'", "algorithm.missing_stop_penalty=-1"],
+         "algorithm.reward_clip=0.5", "algorithm.stop_token='<|im_end|>'", "algorithm.missing_stop_penalty=-1",
+         # answers are 2 or 3 tokens with the stop token: at 2, the longer ones are cut before it
+         "data.max_response_length=2", "trainer.rollout_data_dir=rollouts"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -384,7 +386,14 @@ def test_a_run_with_every_detail_fits_once_logs_and_resumes(tmp_path, reward_mod
     gain, bias = steps[0]["reward/norm_gain"], steps[0]["reward/norm_bias"]
     for step in steps:
         assert (step["reward/norm_gain"], step["reward/norm_bias"]) == (gain, bias)
-        assert 0 <= step["reward/clipped_frac"] <= 1 and 0 <= step["response/missing_stop_frac"] <= 1
+        # Against each sample's score as dumped (before clipping): a response without the stop token scores
+        # the penalty, -1 exactly (a normalised reward-model score never is), and a score beyond 0.5 is clipped.
+        dump = tmp_path / "rollouts" / f"{int(step['training/global_step'])}.jsonl"
+        scores = [json.loads(line)["score"] for line in dump.read_text().splitlines()]
+        assert len(scores) == 8 * 4
+        assert step["response/missing_stop_frac"] == pytest.approx(np.mean([s == -1.0 for s in scores]))
+        assert step["reward/clipped_frac"] == pytest.approx(np.mean([abs(s) > 0.5 for s in scores]))
+        assert 0 < step["response/missing_stop_frac"] < 1  # the setup: responses with and without the stop token
         assert -0.5 <= step["critic/rewards/min"] <= step["critic/rewards/max"] <= 0.5  # clipped (no KL in reward)
     assert any(key.endswith("/rm_score/mean@1") for key in records[0]), sorted(records[0])  # validation
     state = torch.load(tmp_path / "checkpoints" / "hflow" / "default" / "global_step_2" / "data" / "state.pt",
