@@ -450,7 +450,8 @@ def part_c(part: Part, smoke: bool, workdir: Path) -> None:
         f"compute, AdamW; sequences of {seq} tokens ({prompt_len} prompt + {response_len} response, no padding); "
         f"median of {repeats} after a warm-up")
     part.details.append("MFU = model FLOPs (hflow/utils/flops_counter.py: 6 x matmul params x tokens, LM head on "
-                        "response positions only, causal attention) / (time x peak bf16); log-prob pass = forward only")
+                        "response positions only, causal attention) / (time x peak: the GPU's dense bf16 data-sheet "
+                        "figure, on CPU this machine's measured fp32 matmul peak); log-prob pass = forward only")
     rows, ok = [], True
     for seqs_per_micro, micro_batches in sizes:
         out_of_memory = False

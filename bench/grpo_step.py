@@ -38,11 +38,14 @@ one AdamW step over the whole batch, on-policy: the old log-probs are the update
 Each system counts the tokens it processed (prompt + response: up to and with the EOS, or all
 response_length tokens with ignore_eos) and its mean response length; with responses that stop at EOS these
 differ a little between systems, so the ratios are per token: "time/token vs minimal" is the minimal loop's
-tokens/s over the row's, "tok/s vs TRL" the row's over TRL's. Prints one table (medians over the measured
-iterations with their min-max) and writes one report per workload, bench/results/grpo_step_<workload>.{md,json}
-(`--render JSON` rewrites them from a stored run). Every system of the table is measured in this run: a
-system that fails (or is not asked for) has no row and no ratio. Fewer than 5 measured iterations make a
-smoke run, labelled as such. Setup (TRL env, SmolLM2 conversion) is not timed.
+tokens/s over the row's, "tok/s vs TRL" the row's over TRL's; "update MFU" (hflow rows) is the actor
+update's `perf/mfu/actor`: model FLOPs over time x peak (on CPU, the peak of this machine's own fp32 matmul,
+measured once and cached: hflow/utils/flops_counter.py), i.e. how far the update is from the hardware.
+Prints one table (medians over the measured iterations with their min-max) and writes one report per
+workload, bench/results/grpo_step_<workload>.{md,json} (`--render JSON` rewrites them from a stored run).
+Every system of the table is measured in this run: a system that fails (or is not asked for) has no row
+and no ratio. Fewer than 5 measured iterations make a smoke run, labelled as such. Setup (TRL env, SmolLM2
+conversion) is not timed.
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding
     return {"system": "hflow", "iteration_s": [s["timing_s/step"] for s in steps], "phases_s": phases,
             "tokens_per_iteration": tokens, "response_length_mean": lengths,
             "reward_mean": [s.get("critic/score/mean") for s in steps], "workers": workers,
+            "mfu_actor": [s.get("perf/mfu/actor") for s in steps],
             "cpus_per_worker": cpus_per_worker}
 
 
@@ -225,14 +229,17 @@ def summarize(result: dict, warmup: int) -> dict:
     for phase, values in (result.get("phases_s") or {}).items():
         if len(values) > warmup:
             summary[phase] = statistics.median(values[warmup:])
+    mfu = [m for m in (result.get("mfu_actor") or [])[warmup:] if m is not None]
+    if mfu:
+        summary["mfu_actor"] = statistics.median(mfu)
     return summary
 
 
 def table(results: dict) -> str:
     """Per system: median s/iteration, tokens/s, mean response length and phase times; for hflow rows,
-    time per token / the minimal loop's and tokens/s / TRL's tokens/s."""
+    time per token / the minimal loop's, tokens/s / TRL's tokens/s and the actor update's MFU."""
     header = ["workload", "system", "s/iter [min-max]", "tok/s", "resp len", *PHASES, "time/token vs minimal",
-              "tok/s vs TRL"]
+              "tok/s vs TRL", "update MFU"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, systems in results.items():
         minimal = systems.get("minimal", {}).get("summary")
@@ -251,6 +258,7 @@ def table(results: dict) -> str:
             cells.append(f"{minimal['tokens_per_s'] / s['tokens_per_s']:.2f}x" if is_hflow and minimal else "-")
             cells.append(", ".join(f"{s['tokens_per_s'] / t['tokens_per_s']:.2f}x {k}" for k, t in trls)
                          if is_hflow and trls else "-")
+            cells.append(f"{100 * s['mfu_actor']:.3g} %" if s.get("mfu_actor") is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -36,21 +36,36 @@ c = 6 for causal attention (the default here) or 12 counting the whole s x s squ
 For a Qwen2.5-1.5B-shaped model the attention term (c=6) adds about 3 % to the rest at 1024-token
 sequences, and about 45 % at 16k-token sequences (90 % with c=12).
 
-Peak FLOP/s: dense bf16 tensor-core peak (no 2:4 sparsity) of the device, from NVIDIA's data sheets,
-by device name; an unknown device gives None, and no MFU is reported then.
+Peak FLOP/s: on a GPU, the dense bf16 tensor-core peak (no 2:4 sparsity) of the device, from NVIDIA's
+data sheets, by device name; an unknown GPU gives None, and no MFU is reported then. On a CPU (where hflow
+trains in fp32) no data sheet applies: the peak is measured, once per machine, as the best rate of a
+large fp32 matmul with the process's torch threads (`cpu_peak_flops`), and cached on disk under
+``<cache root>/peak-flops`` (``$HFLOW_CACHE``, default ``~/.cache/hflow``), keyed by CPU model, core
+count, torch threads and torch version, with the load average it was taken at: a process that finds the
+machine quieter measures again and keeps the higher rate (a busy machine makes the rate read low, and the
+MFU high). A CPU's MFU therefore says how far the update is from what this machine's own matmul reaches,
+not from a vendor's figure.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import platform
 import re
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "PEAK_BF16_FLOPS",
     "TransformerShape",
     "actor_update_mfu",
+    "cpu_peak_flops",
     "device_peak_flops",
     "forward_flops",
     "mfu",
@@ -90,14 +105,114 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 
 def device_peak_flops() -> float | None:
-    """Peak bf16 FLOP/s of this process's device; None on CPU or for a GPU not in the table."""
+    """Peak FLOP/s of this process's device: a GPU's dense bf16 peak from the table (None for a GPU not
+    in it), a CPU's fp32 matmul peak as measured and cached by `cpu_peak_flops`."""
     from hflow.utils import device
 
     if not device.is_cuda():
-        return None
+        return cpu_peak_flops()
     import torch
 
     return peak_bf16_flops(torch.cuda.get_device_name(device.get_device()))
+
+
+# ---------------------------------------------------------------------------------- CPU peak, measured
+
+MATMUL_SIZE = 1024  # (n x n) @ (n x n): 2.1 GFLOP, tens of ms on one core of a recent server CPU
+MATMUL_BUDGET_S = 0.3  # repetitions stop once this much has passed (at least 2 are timed)
+
+
+def measure_matmul_flops(size: int = MATMUL_SIZE, budget_s: float = MATMUL_BUDGET_S, max_reps: int = 8) -> float:
+    """The best FLOP/s of an fp32 (size x size) matmul on the CPU with this process's torch threads: one
+    untimed warm-up, then repetitions until `budget_s` has passed (2 to `max_reps` of them)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator) for _ in range(2))
+    torch.mm(a, b)
+    best, started = math.inf, time.perf_counter()
+    for rep in range(max_reps):
+        begin = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - begin)
+        if rep >= 1 and time.perf_counter() - started > budget_s:
+            break
+    return 2 * size**3 / best
+
+
+def cpu_identity() -> dict[str, Any]:
+    """What a CPU peak measurement depends on, and so its cache key: CPU model, cores, torch threads and
+    torch version."""
+    import torch
+
+    model = platform.processor()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+_CPU_PEAKS: dict[str, float] = {}  # by cache file: each process reads (or measures) once
+QUIETER_BY = 1.0  # a stored rate is measured again when the load average has since fallen by more than this
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the system has none): how busy the CPU was at a measurement."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def cpu_peak_flops(cache_dir: str | Path | None = None, measure: Callable[[], float] | None = None) -> float:
+    """This machine's peak fp32 FLOP/s with this process's torch threads (`measure` defaults to
+    `measure_matmul_flops`): measured on the first call on a machine, then read from
+    ``<cache root>/peak-flops/cpu-<key>.json`` (cache root: `cache_dir`, default
+    `hflow.utils.cache.default_cache_root()`).
+
+    Other processes busy on the CPU make a measurement read low, so the file records the load average it
+    was taken at, and a later process that finds the machine quieter by more than `QUIETER_BY` measures
+    again and keeps the higher rate. A file that cannot be read, or does not hold a positive rate for
+    this key, is measured again and rewritten; a cache that cannot be written is left alone."""
+    from hflow.utils.cache import default_cache_root
+
+    identity = cpu_identity()
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    path = root / "peak-flops" / f"cpu-{key}.json"
+    if str(path) in _CPU_PEAKS:
+        return _CPU_PEAKS[str(path)]
+    stored, load = _read_peak(path, identity), load_average()
+    if stored is not None and load + QUIETER_BY >= stored[1]:
+        flops = stored[0]
+    else:
+        flops = float((measure or measure_matmul_flops)())
+        if stored is not None:
+            flops = max(flops, stored[0])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # the ranks of one machine may race
+            partial.write_text(json.dumps({**identity, "flops": flops, "load_average": load,
+                                           "matmul_size": MATMUL_SIZE}) + "\n")
+            os.replace(partial, path)
+        except OSError:
+            pass
+    _CPU_PEAKS[str(path)] = flops
+    return flops
+
+
+def _read_peak(path: Path, identity: dict[str, Any]) -> tuple[float, float] | None:
+    """(rate, load average at its measurement) of a cache file for `identity`; None when the file is
+    missing or unreadable, is for another key, or holds no positive rate."""
+    try:
+        stored = json.loads(path.read_text())
+        flops, load = float(stored["flops"]), float(stored.get("load_average", 0.0))
+        same = all(stored.get(key) == value for key, value in identity.items())
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (flops, load) if same and math.isfinite(flops) and flops > 0 and math.isfinite(load) else None
 
 
 @dataclass(frozen=True)
@@ -173,7 +288,7 @@ def actor_update_mfu(hf_config: Any, attention_mask, response_mask, seconds: flo
     """MFU of one rank's PPO update: `ppo_epochs` forward + backward passes over the rank's batch
     (`attention_mask` (B, T), `response_mask` (B, L): the tokens that count and the positions that get
     logits) in `seconds`. Each rank measures its own share, so the mean over ranks is the group's MFU.
-    None where the device's peak is unknown (CPU, an unlisted GPU)."""
-    seqlens = attention_mask.sum(-1).tolist()  # counted everywhere, so that CPU runs exercise it too
+    `peak_flops` defaults to `device_peak_flops()`; None where that is unknown (an unlisted GPU)."""
+    seqlens = attention_mask.sum(-1).tolist()
     flops = training_flops(hf_config, seqlens, lm_head_tokens=int(response_mask.sum())) * ppo_epochs
     return mfu(flops, seconds, device_peak_flops() if peak_flops is None else peak_flops)

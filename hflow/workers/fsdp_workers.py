@@ -173,9 +173,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             )
         self.ptx_sampler = self.actor_ema = None
         if self._is_actor:
+            from hflow.utils.flops_counter import device_peak_flops
             from hflow.workers.actor import DataParallelPPOActor
 
             self._build_ptx_and_ema()
+            # perf/mfu/actor's denominator; a CPU measures its matmul peak here, once per machine (cached)
+            self._peak_flops = device_peak_flops()
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
                                               ptx_sampler=self.ptx_sampler, ema=self.actor_ema)
         if self._is_rollout:
@@ -318,8 +321,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         from hflow.workers.actor.dp_actor import response_mask_of
 
         mfu = actor_update_mfu(self.hf_config, data.batch["attention_mask"], response_mask_of(data.batch), elapsed,
-                               ppo_epochs=int(self.config.actor.ppo_epochs))
-        if mfu is not None:  # only where the device's peak FLOP/s is known (never on CPU)
+                               ppo_epochs=int(self.config.actor.ppo_epochs), peak_flops=self._peak_flops)
+        if mfu is not None:  # a GPU missing from flops_counter's table has no known peak
             metrics["perf/mfu/actor"] = mfu
         metrics["actor/lr"] = self.actor_lr_scheduler.get_last_lr()[0]
         self.actor_lr_scheduler.step()

@@ -8,7 +8,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
+from transformers import AutoTokenizer
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tokens_per_iteration(spec: dict, iterations: int) -> list[int]:
+    """The tokens each iteration processes, from the prompt file's rows as the benchmark orders them
+    (iteration i reads whole batches i*B ... i*B+B-1 of the built-in training file, cycling)."""
+    from hflow.tasks.builtin_task import ensure_builtin_assets
+
+    assets = ensure_builtin_assets()
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_path)
+    rows = pd.read_parquet(assets.train_file)
+    B, n, L = spec["batch_prompts"], spec["n"], spec["response_length"]
+    counts = []
+    for i in range(iterations):
+        first = (i % (len(rows) // B)) * B
+        prompts = [tokenizer.apply_chat_template(list(p), add_generation_prompt=True)["input_ids"]
+                   for p in rows["prompt"][first:first + B]]
+        counts.append(n * sum(len(p) for p in prompts) + B * n * L)
+    return counts
 
 
 def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
@@ -22,6 +43,8 @@ def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
     report_path = tmp_path / "grpo_step_builtin.json"  # one report per workload
     report = json.loads(report_path.read_text())
     results = report["results"]["builtin"]
+    spec = results["spec"]
+    B, n, L = spec["batch_prompts"], spec["n"], spec["response_length"]
     for system in ("hflow", "minimal"):
         entry = results[system]
         assert len(entry["iteration_s"]) == 2, entry
@@ -30,19 +53,24 @@ def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
         for phase in ("gen", "weight_sync", "ref", "update_actor"):
             assert summary[phase] > 0, (system, phase)
         assert summary.get("old_log_prob", 0.0) == 0.0  # on-policy: no pass of its own (reuse_update_log_probs)
-        # the same prompts and the same rewards function: both saw rewards in [0, 1]
-        assert all(0 <= r <= 1 for r in entry["reward_mean"])
-    # fixed-length responses: both count the same work (the prompts' tokens + n x 8 per prompt)
-    assert results["hflow"]["tokens_per_iteration"] == results["minimal"]["tokens_per_iteration"]
-    assert results["hflow"]["summary"]["response_length"] == 8
-    # the table row of hflow carries its time per token relative to the minimal loop
+        # the same prompts and the same 0/1 rule: each mean is a whole number of right answers out of B x n
+        assert all(abs(r * B * n - round(r * B * n)) < 1e-6 for r in entry["reward_mean"]), entry["reward_mean"]
+    # fixed-length responses: both count exactly the work done, the prompts' tokens (counted here with the
+    # chat template, as the trainer's dataset applies it) + n x L response tokens per prompt
+    tokens = _tokens_per_iteration(spec, iterations=2)
+    assert results["hflow"]["tokens_per_iteration"] == results["minimal"]["tokens_per_iteration"] == tokens
+    assert results["hflow"]["summary"]["response_length"] == L
+    # the table row of hflow carries its time per token relative to the minimal loop: both did the same
+    # tokens, so it is the ratio of their measured (second) iterations' times
     table_path = tmp_path / "grpo_step_builtin.md"
     table = table_path.read_text()
     hflow_row = next(line for line in table.splitlines() if line.startswith("| builtin | hflow |"))
-    ratio = results["minimal"]["summary"]["tokens_per_s"] / results["hflow"]["summary"]["tokens_per_s"]
-    assert f"{ratio:.2f}x" in hflow_row
-    spread = results["hflow"]["summary"]
-    assert f"[{spread['iteration_min_s']:.2f}-{spread['iteration_max_s']:.2f}]" in hflow_row
+    hflow_s, minimal_s = results["hflow"]["iteration_s"][1], results["minimal"]["iteration_s"][1]
+    assert f"| {hflow_s / minimal_s:.2f}x |" in hflow_row, (hflow_s, minimal_s, hflow_row)
+    assert f"{hflow_s:.2f} [{hflow_s:.2f}-{hflow_s:.2f}]" in hflow_row
+    # and the actor update's MFU, against this CPU's measured peak: the second step's, as a percentage
+    mfu = results["hflow"]["mfu_actor"][1]
+    assert 0 < mfu <= 1 and hflow_row.endswith(f"| {100 * mfu:.3g} % |"), hflow_row
     assert "Smoke run" in table  # one measured iteration is not a result, and says so
     # --render rewrites the same report from the stored run, measuring nothing
     table_path.unlink()

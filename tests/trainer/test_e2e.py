@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
+from hflow.utils.reward_score import arithmetic
 from hflow.tasks.builtin_task import ensure_builtin_assets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +106,7 @@ def uninterrupted(ray_session, assets, tmp_path_factory):
     """A 4-step GRPO run that saves its last step, with a Hugging Face export of the policy."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     metrics = run(assets, run_dir, *GRPO, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2",
-                  f"trainer.save_freq={STEPS}",
+                  f"trainer.save_freq={STEPS}", f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
                   "actor_rollout_ref.actor.checkpoint.contents=[model,optimizer,extra,hf_model]")
     return run_dir, metrics
 
@@ -116,7 +117,22 @@ def test_grpo_end_to_end_updates_the_policy(assets, uninterrupted):
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     for step in steps:
         check_step_metrics(step, ["actor/kl_loss"])
-    assert 0 < min(m["critic/score/mean"] for m in steps) <= max(m["critic/score/mean"] for m in steps) < 1
+    # Each step's score is the task's own verdict on what was sampled: rescored here from the step's dumped
+    # responses against the training file's answers, with none of the trainer's reward plumbing.
+    answers = {row["prompt"][0]["content"]: row["reward_model"]["ground_truth"]
+               for row in pq.read_table(assets / "train.parquet").to_pylist()}
+    rescored = []
+    for step in steps:
+        rows = [json.loads(line) for line in (run_dir / "rollouts" / f"{step['step']}.jsonl").read_text().splitlines()]
+        assert len(rows) == 8 * 4
+        questions = [max((q for q in answers if q in row["input"]), key=len) for row in rows]
+        right = [arithmetic.compute_score(row["output"], answers[q]) for row, q in zip(rows, questions)]
+        assert [row["score"] for row in rows] == right, step["step"]  # each sample's own, in its place
+        assert step["critic/score/mean"] == pytest.approx(sum(right) / len(right), abs=1e-6), step["step"]
+        rescored += right
+        # this CPU's update against its own measured fp32 matmul peak (hflow/utils/flops_counter.py)
+        assert 0 < step["perf/mfu/actor"] <= 1, step["perf/mfu/actor"]
+    assert 0 < sum(rescored) < len(rescored)  # the setup: right and wrong answers both occur, so the check bites
     assert any(k.startswith("val-core/hflow/arithmetic/") for k in metrics[-1])
     assert (run_dir / "logs" / "learning_curve.png").stat().st_size > 10_000
     # the trained policy differs from the model it started from

@@ -1,16 +1,20 @@
-"""flops_counter: the documented formula against hand counts and against torch's own FLOP counter."""
+"""flops_counter: the documented formula against hand counts and against torch's own FLOP counter; the
+CPU's peak, measured once per machine and cached."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hflow.utils import device
+from hflow.utils import device, flops_counter
 from hflow.utils.flops_counter import (
     TransformerShape,
     actor_update_mfu,
+    cpu_peak_flops,
     device_peak_flops,
     forward_flops,
     mfu,
@@ -92,6 +96,94 @@ def test_actor_update_mfu():
     flops = training_flops(QWEN_1_5B, [4, 4], lm_head_tokens=3)
     got = actor_update_mfu(QWEN_1_5B, attention_mask, response_mask, seconds=0.5, ppo_epochs=2, peak_flops=1e15)
     assert got == pytest.approx(2 * flops / (0.5 * 1e15))
-    if not device.is_cuda():  # no peak on CPU: no MFU
-        assert device_peak_flops() is None
-        assert actor_update_mfu(QWEN_1_5B, attention_mask, response_mask, seconds=0.5) is None
+    if not device.is_cuda():  # a CPU's peak is its measured matmul rate (cached)
+        assert device_peak_flops() == cpu_peak_flops() > 0
+        assert actor_update_mfu(QWEN_1_5B, attention_mask, response_mask, seconds=0.5) == pytest.approx(
+            flops / (0.5 * cpu_peak_flops()))
+
+
+class CountingMeasure:
+    def __init__(self, flops: float):
+        self.flops, self.calls = flops, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.flops
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """As in a new process: nothing remembered in memory, only what the cache files hold; a load average of
+    2 unless a test sets another."""
+    monkeypatch.setattr(flops_counter, "_CPU_PEAKS", {})
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 2.0)
+    return flops_counter._CPU_PEAKS
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_read_from_the_cache_after(tmp_path, fresh_process):
+    first = CountingMeasure(5e10)
+    assert cpu_peak_flops(tmp_path, measure=first) == 5e10 and first.calls == 1
+    [path] = (tmp_path / "peak-flops").iterdir()
+    assert json.loads(path.read_text()) == {**flops_counter.cpu_identity(), "flops": 5e10, "load_average": 2.0,
+                                            "matmul_size": flops_counter.MATMUL_SIZE}
+    fresh_process.clear()  # a later process on this machine reads the file, and measures nothing
+    later = CountingMeasure(7e10)
+    assert cpu_peak_flops(tmp_path, measure=later) == 5e10 and later.calls == 0
+
+
+def test_a_quieter_machine_measures_again_and_keeps_the_higher_rate(tmp_path, fresh_process, monkeypatch):
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 6.0)  # measured while others were busy
+    cpu_peak_flops(tmp_path, measure=CountingMeasure(2e10))
+    [path] = (tmp_path / "peak-flops").iterdir()
+    fresh_process.clear()
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 5.5)  # about as busy: the file stands
+    assert cpu_peak_flops(tmp_path, measure=(same := CountingMeasure(9e10))) == 2e10 and same.calls == 0
+    fresh_process.clear()
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 1.0)  # quieter: measured again, the higher kept
+    assert cpu_peak_flops(tmp_path, measure=(quiet := CountingMeasure(6e10))) == 6e10 and quiet.calls == 1
+    assert json.loads(path.read_text())["load_average"] == 1.0
+    fresh_process.clear()
+    assert cpu_peak_flops(tmp_path, measure=(lower := CountingMeasure(1e10))) == 6e10 and lower.calls == 0
+    # a new measurement that comes out lower does not replace the stored rate
+    fresh_process.clear()
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 6.0)
+    cpu_peak_flops(tmp_path / "other", measure=CountingMeasure(5e10))
+    fresh_process.clear()
+    monkeypatch.setattr(flops_counter, "load_average", lambda: 1.0)
+    assert cpu_peak_flops(tmp_path / "other", measure=(noisy := CountingMeasure(3e10))) == 5e10 and noisy.calls == 1
+
+
+def test_another_thread_count_is_another_cache_entry(tmp_path, fresh_process):
+    threads = torch.get_num_threads()
+    cpu_peak_flops(tmp_path, measure=CountingMeasure(5e10))
+    try:
+        torch.set_num_threads(threads + 1)
+        other = CountingMeasure(9e10)
+        assert cpu_peak_flops(tmp_path, measure=other) == 9e10 and other.calls == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((tmp_path / "peak-flops").iterdir())) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", "", "[1, 2]", '{"flops": -1}', '{"flops": "fast"}'])
+def test_a_corrupt_cache_file_is_measured_again_and_rewritten(tmp_path, fresh_process, content):
+    cpu_peak_flops(tmp_path, measure=CountingMeasure(5e10))
+    [path] = (tmp_path / "peak-flops").iterdir()
+    stored = json.loads(path.read_text())
+    path.write_text(content if "flops" not in content else json.dumps({**stored, **json.loads(content)}))
+    fresh_process.clear()
+    again = CountingMeasure(6e10)
+    assert cpu_peak_flops(tmp_path, measure=again) == 6e10 and again.calls == 1
+    assert json.loads(path.read_text())["flops"] == 6e10
+
+
+def test_the_matmul_measurement_is_the_best_rate_within_its_budget(monkeypatch):
+    # the clock read at: start; rep 1 begin, end; rep 2 begin, end, budget check; rep 3 begin, end, check
+    ticks = iter([0.0, 0.0, 0.3, 0.3, 0.4, 0.4, 0.4, 0.6, 0.6])  # reps of 0.3 s, 0.1 s, 0.2 s
+    monkeypatch.setattr(flops_counter.time, "perf_counter", lambda: next(ticks))
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
+    rate = flops_counter.measure_matmul_flops(size=64, budget_s=0.5)
+    # the warm-up and 3 timed reps: the third ends 0.6 s after the start, past the budget
+    assert calls == [(64, 64)] * 4 and rate == pytest.approx(2 * 64**3 / 0.1)
