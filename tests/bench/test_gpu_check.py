@@ -66,6 +66,26 @@ def test_smoke_cpu_runs_every_part_and_writes_the_report(tmp_path):
     assert "Ray / vLLM imported by this check | neither" in report
 
 
+def test_the_smoke_run_reaches_every_module_of_the_check():
+    """bench/gpu_check.py runs the parts that bench/gpu_check_parts registers, one module each, and the smoke
+    run above runs all of them (a, b, c, d) and writes the report (environment, report): a module added to
+    the package but not registered as a part, or a part without its title, target or `run`, fails here."""
+    package = ROOT / "bench" / "gpu_check_parts"
+    probe = ("import json, sys; sys.path.insert(0, sys.argv[1]); from gpu_check_parts import PARTS; "
+             "print(json.dumps({k: [m.__name__, bool(m.__doc__), isinstance(m.TITLE, str), isinstance(m.TARGET, str), "
+             "callable(m.run)] for k, m in PARTS.items()}))")
+    run = subprocess.run([sys.executable, "-c", probe, str(package.parent)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parts = json.loads(run.stdout)
+    assert sorted(parts) == list("abcd")  # what the smoke run checks, part by part
+    assert all(all(checks) for _, *checks in parts.values()), parts
+    shared = {"common", "environment", "report"}  # used by every run, the smoke run included
+    registered = {name.removeprefix("gpu_check_parts.") for name, *_ in parts.values()}
+    assert {p.stem for p in package.glob("*.py")} - {"__init__"} == registered | shared
+    assert all((package / f"{name}.py").read_text().startswith('"""') for name in registered | shared)
+
+
 # As on the GPU machine: ray and vllm are not installed (ModuleNotFoundError, which pytest.importorskip skips on;
 # a broken install's ImportError would stop the run, as it should).
 NOT_INSTALLED = '''
