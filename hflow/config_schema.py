@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hflow.algorithms import core_algos
-from hflow.utils.errors import UserError
+from hflow.utils.errors import ConfigError
 
 __all__ = [
     "ConfigError",
@@ -49,12 +49,8 @@ __all__ = [
     "check_micro_batch",
     "check_tensor_parallel",
     "check_offload",
+    "check_optim",
 ]
-
-
-class ConfigError(UserError, ValueError):
-    """An impossible or invalid configuration; the message names the keys to change (main_ppo prints it
-    without a traceback)."""
 
 
 def ref(key: str) -> Any:
@@ -546,7 +542,7 @@ def validate_config(config: DictConfig | dict, schema: type = PPOTrainerConfig) 
         raise _unknown_key(str(err.full_key), schema) from None
     except OmegaConfBaseException as err:
         reason = str(err.msg).splitlines()[0] if err.msg else type(err).__name__
-        raise ConfigError(f"{err.full_key}: {reason}") from None
+        raise ConfigError(f"{err.full_key}: {reason}; give it a value of the type the key takes") from None
 
 
 def check_override_key(full_key: str, schema: type = PPOTrainerConfig) -> None:
@@ -597,6 +593,25 @@ def check_choice(value: Any, choices: Any, key: str) -> None:
 def check_positive(value: Any, key: str) -> None:
     if value is None or int(value) <= 0:
         raise ConfigError(f"{key} must be a positive integer, got {value}")
+
+
+WARMUP_STYLES = ("constant", "cosine")  # hflow.utils.fsdp_utils.build_lr_scheduler
+
+
+def check_optim(optim: Any, prefix: str) -> None:
+    """An `optim` section that AdamW and the schedule accept (unchecked, a bad value fails in every worker
+    after Ray started, as torch's "Invalid learning rate", or silently trains nothing at lr=0)."""
+    if not float(optim.lr) > 0:
+        raise ConfigError(f"{prefix}.lr must be > 0 (e.g. 1e-6), got {optim.lr}")
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
+        raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (e.g. [0.9, 0.999]), got {betas}")
+    if float(optim.weight_decay) < 0:
+        raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay}")
+    check_choice(optim.warmup_style, WARMUP_STYLES, f"{prefix}.warmup_style")
+    for key in ("lr_warmup_steps_ratio", "min_lr_ratio"):
+        if not 0.0 <= float(optim[key]) <= 1.0:
+            raise ConfigError(f"{prefix}.{key} must be in [0, 1], got {optim[key]}")
 
 
 def check_train_batch(batch_prompts: int, n: int, world_size: int) -> None:

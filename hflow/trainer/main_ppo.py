@@ -135,11 +135,9 @@ def start_backend(config: DictConfig) -> None:
 def build_trainer(config: DictConfig):
     from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
     from hflow.utils.dataset import RLHFDataset, collate_fn, create_train_dataloader
-    from hflow.workers.fsdp_workers import _load_tokenizer
     from hflow.workers.reward_manager import load_reward_manager
 
-    model_cfg = config.actor_rollout_ref.model
-    tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(config.actor_rollout_ref.model, "actor_rollout_ref.model")
     train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
     val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files")
     train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
@@ -147,6 +145,20 @@ def build_trainer(config: DictConfig):
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
     return RayPPOTrainer(config, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset, collate_fn,
                          train_dataloader)
+
+
+def load_tokenizer(model_cfg: DictConfig, prefix: str):
+    """The tokenizer of a model section (`tokenizer_path`, else `path`), on the driver; files that
+    transformers cannot read end the run naming the key."""
+    from hflow.workers.fsdp_workers import _load_tokenizer
+
+    key = f"{prefix}.tokenizer_path" if model_cfg.tokenizer_path else f"{prefix}.path"
+    path = model_cfg.tokenizer_path or model_cfg.path
+    try:
+        return _load_tokenizer(path, model_cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}={path}: the tokenizer does not load ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())}); fix or replace its files") from None
 
 
 def plot_learning_curve(config: DictConfig) -> None:
@@ -191,6 +203,15 @@ def check_command_line(argv: list[str], schema: type) -> None:
     from hydra.errors import OverrideParseException
 
     args, _ = get_args_parser().parse_known_args(argv)
+    searchpath = any(text.lstrip("+~").startswith("hydra.searchpath") for text in args.overrides)
+    if args.config_name and not args.config_path and not searchpath:  # else Hydra looks in folders of the user's
+        folders = [Path(CONFIG_DIR)] + ([Path(args.config_dir)] if args.config_dir else [])
+        name = args.config_name.removesuffix(".yaml")
+        if not any((folder / f"{name}.yaml").is_file() for folder in folders):
+            shipped = sorted(path.stem for path in Path(CONFIG_DIR).glob("*_trainer.yaml"))
+            raise ConfigError(f"--config-name {args.config_name}: there is no {name}.yaml in "
+                              f"{' or '.join(map(str, folders))}; give a file of --config-dir, or one of the shipped "
+                              f"configurations ({', '.join(shipped)})")
     if args.config_name or args.config_path or args.config_dir:
         return  # another configuration than `schema` describes
     parser = OverridesParser.create()

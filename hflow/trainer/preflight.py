@@ -23,6 +23,8 @@ from hflow.config_schema import (
     check_choice,
     check_micro_batch,
     check_mini_batch,
+    check_offload,
+    check_optim,
     check_positive,
     check_placement,
     check_tensor_parallel,
@@ -31,7 +33,15 @@ from hflow.config_schema import (
 )
 from hflow.trainer.ppo.dapo import check_dapo_config
 from hflow.utils.tracking import check_backends
-from hflow.workers.config import check_ema, check_lora, check_model_path, check_ptx, check_value_head
+from hflow.workers.config import (
+    check_ema,
+    check_lora,
+    check_model_path,
+    check_ptx,
+    check_tokenizer_path,
+    check_value_head,
+    resolve_gpu_memory_utilization,
+)
 
 
 def _files(value) -> list[str]:
@@ -40,13 +50,68 @@ def _files(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _check_files(value, key: str) -> None:
+def check_data_files(value, key: str) -> None:
+    """`key` names one parquet file or a list of them, each a file that exists."""
     files = _files(value)
     if not files:
         raise ConfigError(f"{key} is empty; give one parquet file or a list of them")
     for path in files:
+        if Path(str(path)).expanduser().is_dir():
+            raise ConfigError(f"{key}: {path} is a folder; give the parquet files in it "
+                              f"(a list: {key}=[a.parquet,b.parquet])")
         if not Path(str(path)).expanduser().is_file():
             raise ConfigError(f"{key}: file {path} does not exist")
+
+
+def check_node_resources(config: DictConfig) -> None:
+    """The workers fit the node the driver runs on (one node, no cluster joined): trainer.n_gpus_per_node
+    workers of trainer.cpus_per_worker CPUs each, and on a GPU node one GPU each. Checked before the batch
+    rules, whose messages would otherwise blame a batch size for a node that is too small."""
+    trainer = config.trainer
+    cpus = int(trainer.cpus_per_worker)
+    if cpus < 1:
+        raise ConfigError(f"trainer.cpus_per_worker must be >= 1, got {cpus}")
+    threads = trainer.threads_per_worker
+    if threads is not None and int(threads) < 1:
+        raise ConfigError(f"trainer.threads_per_worker must be >= 1 or null, got {threads}")
+    available = config.ray_init.num_cpus or os.cpu_count()
+    joins_cluster = config.ray_init.address or os.environ.get("RAY_ADDRESS")
+    if (trainer.backend == "ray" and int(trainer.nnodes) == 1 and not joins_cluster
+            and cpus * int(trainer.n_gpus_per_node) > available):
+        raise ConfigError(
+            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} workers x trainer.cpus_per_worker={cpus} CPUs "
+            f"need {cpus * int(trainer.n_gpus_per_node)} CPUs but this node has {available} "
+            "(ray_init.num_cpus or the machine's cores); lower one of them")
+    from hflow.utils import device
+
+    if device.is_cuda() and int(trainer.nnodes) == 1 and not joins_cluster:  # the driver's node is the one node
+        import torch
+
+        if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
+            raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
+                              f"{torch.cuda.device_count()} GPUs")
+
+
+def check_resume(trainer: DictConfig) -> None:
+    """`trainer.resume_mode`, and with `resume_path` a checkpoint folder that exists."""
+    check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
+    if trainer.resume_mode != "resume_path":
+        return
+    path = trainer.resume_from_path
+    folder = Path(str(path)).expanduser()
+    if path is None:
+        problem = "it is not set"
+    elif not folder.is_dir():
+        problem = "no such folder"
+    elif not folder.name.startswith("global_step_"):
+        problem = "not a global_step_N folder"
+    elif not (folder / "data" / "state.pt").is_file():
+        problem = "an incomplete checkpoint: it has no data/state.pt"
+    else:
+        return
+    raise ConfigError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a global_step_N "
+                      f"checkpoint folder, got {path} ({problem}); give one under trainer.default_local_dir, or set "
+                      "trainer.resume_mode=auto")
 
 
 def preflight_check(config: DictConfig) -> None:
@@ -66,20 +131,34 @@ def preflight_check(config: DictConfig) -> None:
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
     check_sizes(config)
+    from hflow.utils.dataset.rl_dataset import TRUNCATION_MODES
+
+    check_choice(data.truncation, TRUNCATION_MODES, "data.truncation")
+    check_optim(actor.optim, "actor_rollout_ref.actor.optim")
+    for key, fsdp_config in (("actor_rollout_ref.actor.fsdp_config", actor.fsdp_config),
+                             ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config)):
+        check_offload(fsdp_config, key)
+    resolve_gpu_memory_utilization(rollout.gpu_memory_utilization, False,
+                                   "actor_rollout_ref.rollout.gpu_memory_utilization")
 
     # files
-    _check_files(data.train_files, "data.train_files")
-    _check_files(data.val_files, "data.val_files")
+    check_data_files(data.train_files, "data.train_files")
+    check_data_files(data.val_files, "data.val_files")
     check_model_path(arr.model.path, "actor_rollout_ref.model.path")
+    check_tokenizer_path(arr.model, "actor_rollout_ref.model")
     check_lora(arr, "actor_rollout_ref")
     if config.custom_reward_function.path is not None and not Path(
             str(config.custom_reward_function.path)).expanduser().is_file():
         raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")
-    # Import the reward file now, so that a syntax error or a wrong .name stops the run before the
-    # tokenizer and data load (the trainer reuses the loaded file).
-    from hflow.workers.reward_manager.loader import get_custom_reward_fn
+    # Import the reward file now, so that a syntax error, a wrong .name or a signature that the trainer
+    # cannot call stops the run before the tokenizer and data load (the trainer reuses the loaded file).
+    from hflow.workers.reward_manager import get_reward_manager_cls
+    from hflow.workers.reward_manager.loader import check_reward_fn_signature, get_custom_reward_fn
 
-    get_custom_reward_fn(config)
+    reward_fn = get_custom_reward_fn(config)
+    get_reward_manager_cls(config.reward_model.reward_manager)  # a manager of the user's registers in that file
+    if config.reward_model.reward_manager == "naive":
+        check_reward_fn_signature(reward_fn)
 
     # algorithm names
     known = [e.value for e in core_algos.AdvantageEstimator]
@@ -115,6 +194,8 @@ def preflight_check(config: DictConfig) -> None:
                           "(by default it is the actor's model)")
     if algo.adv_estimator == "gae":
         check_value_head(config.critic.model, "critic.model")
+        check_optim(config.critic.optim, "critic.optim")
+        check_offload(config.critic.model.fsdp_config, "critic.model.fsdp_config")
     check_rlhf_actor_details(config)
     if algo.adv_estimator in ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline") and n < 2:
         raise ConfigError(
@@ -125,6 +206,7 @@ def preflight_check(config: DictConfig) -> None:
     batch = int(data.train_batch_size)
     tp = int(rollout.tensor_model_parallel_size)
     world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
+    check_node_resources(config)
     if int(trainer.async_steps) and algo.adv_estimator == "remax":
         raise ConfigError("algorithm.adv_estimator=remax generates its greedy baseline beside the sampled batch, "
                           "with the same weights; it does not work with trainer.async_steps=1")
@@ -167,12 +249,7 @@ def preflight_check(config: DictConfig) -> None:
         check_backends(trainer.logger)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
-    if trainer.resume_mode == "resume_path":
-        path = trainer.resume_from_path
-        if path is None or not Path(str(path)).is_dir() or not Path(str(path)).name.startswith("global_step_"):
-            raise ConfigError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
-                              f"global_step_N checkpoint folder, got {path}")
+    check_resume(trainer)
     if trainer.total_training_steps is None and int(trainer.total_epochs) < 1:
         raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
     if config.reward_model.enable:
@@ -181,28 +258,6 @@ def preflight_check(config: DictConfig) -> None:
     check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
     check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
-    cpus = int(trainer.cpus_per_worker)
-    if cpus < 1:
-        raise ConfigError(f"trainer.cpus_per_worker must be >= 1, got {cpus}")
-    threads = trainer.threads_per_worker
-    if threads is not None and int(threads) < 1:
-        raise ConfigError(f"trainer.threads_per_worker must be >= 1 or null, got {threads}")
-    available = config.ray_init.num_cpus or os.cpu_count()
-    joins_cluster = config.ray_init.address or os.environ.get("RAY_ADDRESS")
-    if (backend == "ray" and int(trainer.nnodes) == 1 and not joins_cluster
-            and cpus * int(trainer.n_gpus_per_node) > available):
-        raise ConfigError(
-            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} workers x trainer.cpus_per_worker={cpus} CPUs "
-            f"need {cpus * int(trainer.n_gpus_per_node)} CPUs but this node has {available} "
-            "(ray_init.num_cpus or the machine's cores); lower one of them")
-    from hflow.utils import device
-
-    if device.is_cuda() and int(trainer.nnodes) == 1 and not joins_cluster:  # the driver's node is the one node
-        import torch
-
-        if int(trainer.n_gpus_per_node) > torch.cuda.device_count():
-            raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this node has "
-                              f"{torch.cuda.device_count()} GPUs")
 
 
 def check_sizes(config: DictConfig) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
-from hflow.config_schema import ConfigError, check_choice, check_positive
+from hflow.config_schema import ConfigError, check_choice, check_offload, check_optim, check_positive
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs
 from hflow.trainer.checkpoints import StepCheckpoints
@@ -30,28 +30,38 @@ __all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
 
 def check_stage_config(config: DictConfig, stage: str) -> None:
     """Impossible settings of a supervised stage, before Ray starts or any model loads."""
-    from hflow.workers.config import check_model_path
+    from hflow.trainer.preflight import check_data_files, check_node_resources, check_resume
+    from hflow.workers.config import check_model_path, check_tokenizer_path
 
     data, trainer = config.data, config.trainer
     world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
     check_choice(trainer.backend, ("ray", "local"), "trainer.backend")
+    if world < 1:
+        raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
     if trainer.backend == "local" and world != 1:
         raise ConfigError(f"trainer.backend=local runs one rank, but trainer.n_gpus_per_node x trainer.nnodes = {world}; "
                           "set trainer.n_gpus_per_node=1 trainer.nnodes=1")
     check_choice(data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
-    check_choice(trainer.resume_mode, ("auto", "resume_path", "disable"), "trainer.resume_mode")
-    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
-        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+    check_resume(trainer)
     for key in ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "trainer.total_epochs"):
         check_positive(OmegaConf.select(config, key), key)
+    check_node_resources(config)
     unit = "conversations" if stage == "sft" else "preference rows"
     if int(data.train_batch_size) % world:
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} {unit} do not split evenly over {world} "
                           "workers (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple")
+    check_optim(config.optim, "optim")
     if config.optim.grad_clip is not None and config.optim.grad_clip <= 0:
         raise ConfigError(f"optim.grad_clip must be positive, got {config.optim.grad_clip}")
-    check_backends(trainer.logger)
+    check_offload(config.model.fsdp_config, "model.fsdp_config")
+    try:
+        check_backends(trainer.logger)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    check_data_files(data.train_files, "data.train_files")
+    check_data_files(data.val_files, "data.val_files")
     check_model_path(config.model.path, "model.path")
+    check_tokenizer_path(config.model, "model")
 
 
 class SupervisedTrainer:
@@ -254,10 +264,9 @@ def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
         preference_collate_fn,
         sft_collate_fn,
     )
-    from hflow.workers.fsdp_workers import _load_tokenizer
+    from hflow.trainer.main_ppo import load_tokenizer
 
-    model_cfg = config.model
-    tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(config.model, "model")
     if stage == "sft":
         dataset_cls, collate = SFTDataset, sft_collate_fn(tokenizer.pad_token_id)
     else:

@@ -48,8 +48,31 @@ def check_model_path(path: Any, key: str) -> None:
         raise ConfigError(f"{key}={path} is not a folder; give a local Hugging Face model folder")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{key}={path} has no config.json; it is not a Hugging Face model folder")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{key}={path}: its config.json is not readable JSON ({err}); restore the file") from None
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"{key}={path} has no weights (*.safetensors or *.bin)")
+
+
+# Any of these makes a folder a tokenizer's; without one, transformers builds an empty tokenizer of the
+# model's type from config.json alone (no vocabulary, no chat template) instead of failing.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def check_tokenizer_path(model: Any, prefix: str) -> None:
+    """The tokenizer folder of a model section (`tokenizer_path`, else `path`) holds a tokenizer."""
+    key = f"{prefix}.tokenizer_path" if model.tokenizer_path else f"{prefix}.path"
+    path = model.tokenizer_path or model.path
+    folder = Path(str(path)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path} is not a folder; give a local folder with the tokenizer's files")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        hint = "" if model.tokenizer_path else f", or set {prefix}.tokenizer_path to a folder that has them"
+        raise ConfigError(f"{key}={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                          f"tokenizer's files there{hint}")
 
 
 # vLLM's share of each device when `rollout.gpu_memory_utilization` is null: half of it beside the training

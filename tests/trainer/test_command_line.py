@@ -164,14 +164,19 @@ def test_a_bad_input_ends_with_one_message_naming_it_before_ray_starts(builtin, 
     assert not daemons
 
 
-def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept():
+def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept(tmp_path):
     from hflow.config_schema import ConfigError, PPOTrainerConfig, SFTTrainerConfig
     from hflow.trainer.main_ppo import check_command_line
 
     check_command_line(["--multirun", "data.train_batch_size=8,16", "~trainer.logger", "hydra.run.dir=out",
                         "hydra/job_logging=disabled", "+custom_reward_function.reward_kwargs.bonus=1",
                         "actor_rollout_ref.actor.optim.betas=[0.9,0.99]"], PPOTrainerConfig)
-    check_command_line(["--config-name", "my_own", "dataa.anything=1"], PPOTrainerConfig)  # not the schema's file
+    (tmp_path / "my_own.yaml").write_text("dataa: {}\n")
+    for own in (["--config-dir", str(tmp_path)], ["--config-path", str(tmp_path)],
+                [f"hydra.searchpath=[file://{tmp_path}]"]):  # a file of the user's, which the schema does not describe
+        check_command_line([*own, "--config-name", "my_own", "dataa.anything=1"], PPOTrainerConfig)
+    with pytest.raises(ConfigError, match="--config-name my_own: there is no my_own.yaml in .*ppo_trainer"):
+        check_command_line(["--config-name", "my_own"], PPOTrainerConfig)
     check_command_line(["model.path=/m"], SFTTrainerConfig)
     with pytest.raises(ConfigError, match=r"\+custom_reward_function\.reward_kwargs\.bonus="):
         check_command_line(["custom_reward_function.reward_kwargs.bonus=1"], PPOTrainerConfig)  # new: needs +

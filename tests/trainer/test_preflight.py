@@ -20,6 +20,7 @@ def files(tmp_path_factory):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer_config.json").write_text("{}")
     rows = pd.DataFrame({"data_source": ["openai/gsm8k", "hflow/arithmetic"]})
     for name in ("train.parquet", "val.parquet"):
         rows.to_parquet(root / name)

@@ -167,13 +167,32 @@ def test_bad_truncation_mode(tokenizer, tmp_path):
 # ---- long prompts --------------------------------------------------------------------------------
 
 
-def test_truncation_error_names_sample_and_length(tokenizer, tmp_path):
-    full = templated_ids(tokenizer, QUESTIONS[3])
+def test_truncation_error_names_file_row_and_length_at_load(tokenizer, tmp_path):
+    """Without the filter, an overlong prompt stops the load (not the batch that holds it, mid-run)."""
+    lengths = [len(templated_ids(tokenizer, question)) for question in QUESTIONS]
     limit = len(templated_ids(tokenizer, QUESTIONS[0]))
-    dataset = RLHFDataset(write(tmp_path / "t.parquet", rows()), tokenizer, config(max_prompt_length=limit))
-    assert len(dataset[0]["raw_prompt_ids"]) == limit
-    with pytest.raises(ValueError, match=rf"sample 3 is {len(full)} tokens.*max_prompt_length={limit};"):
-        dataset[3]
+    first = next(i for i, length in enumerate(lengths) if length > limit)
+    files = [write(tmp_path / "a.parquet", rows(QUESTIONS[:1])), write(tmp_path / "b.parquet", rows(QUESTIONS[1:]))]
+    with pytest.raises(ValueError, match=rf"data\.train_files: .*b\.parquet row {first - 1}: the prompt of sample "
+                                         rf"{first} is {lengths[first]} tokens.*max_prompt_length={limit} "):
+        RLHFDataset(files, tokenizer, config(max_prompt_length=limit))
+    dataset = RLHFDataset(files, tokenizer, config(max_prompt_length=limit, truncation="left"))
+    assert len(dataset[first]["raw_prompt_ids"]) == limit
+
+
+def test_a_prompt_without_content_or_that_the_template_fails_on_is_named(tokenizer, tmp_path):
+    from hflow.utils.errors import ConfigError, DataError
+
+    records = rows()
+    records[2]["prompt"] = [{"role": "user", "content": None}]
+    with pytest.raises(DataError, match=r"bad\.parquet row 2: a message of column 'prompt' has no 'content'"):
+        RLHFDataset(write(tmp_path / "bad.parquet", records), tokenizer, config())
+    failing = "{% if messages|length > 0 and messages[0]['content'] == '" + QUESTIONS[1] + "' %}" \
+              "{{ raise_exception('no such question') }}{% endif %}{{ messages[0]['content'] }}"
+    with pytest.raises(DataError, match=r"t\.parquet row 1: the chat template fails on its messages.*no such question"):
+        RLHFDataset(write(tmp_path / "t.parquet", rows()), tokenizer, config(chat_template=failing))
+    with pytest.raises(ConfigError, match=r"data\.chat_template is not a valid Jinja template"):
+        RLHFDataset(write(tmp_path / "t.parquet", rows()), tokenizer, config(chat_template="{% if %}"))
 
 
 @pytest.mark.parametrize("mode", ["left", "right", "middle"])

@@ -244,6 +244,7 @@ def preflight_files(root: Path) -> Path:
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     (root / "model" / "model.safetensors").write_bytes(b"")
+    (root / "model" / "tokenizer_config.json").write_text("{}")
     for name in ("train.parquet", "val.parquet"):
         pd.DataFrame({"data_source": ["openai/gsm8k"]}).to_parquet(root / name)
     pd.DataFrame({"content": ["no text column here"]}).to_parquet(root / "other_column.parquet")

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
+from hflow.utils.errors import ConfigError
 
 __all__ = ["ResumableDataLoader", "SeededEpochSampler", "create_rl_sampler", "create_train_dataloader"]
 
@@ -123,7 +124,7 @@ class ResumableDataLoader:
         changed = [key for key in ("num_samples", "batch_size", "shuffle", "seed") if state[key] != expected[key]]
         if changed:
             details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
-            raise ValueError(
+            raise ConfigError(
                 f"the data loader state was saved for different data ({details}); the batches would not continue "
                 "the interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, "
                 "data.seed and data.filter_overlong_prompts, or start fresh (trainer.resume_mode=disable)"
@@ -159,9 +160,18 @@ def create_train_dataloader(
 ) -> ResumableDataLoader:
     """The training loader: ``data.train_batch_size`` prompts per batch in `create_rl_sampler` order,
     incomplete last batches dropped, loaded in ``data.dataloader_num_workers`` processes."""
+    batch_size = int(data_config.train_batch_size)
+    if len(dataset) < batch_size:
+        files = ", ".join(map(str, getattr(dataset, "files", [])))
+        filtered = getattr(dataset, "num_filtered", 0)
+        dropped = f" after data.filter_overlong_prompts dropped {filtered}" if filtered else ""
+        raise ConfigError(
+            f"data.train_batch_size={batch_size} is more than the {len(dataset)} rows of data.train_files"
+            f"{f' ({files})' if files else ''}{dropped}; lower data.train_batch_size (and the mini-batch sizes "
+            "with it) or add data")
     return ResumableDataLoader(
         dataset,
-        batch_size=int(data_config.train_batch_size),
+        batch_size=batch_size,
         sampler=create_rl_sampler(data_config, dataset),
         collate_fn=collate_fn,
         drop_last=True,

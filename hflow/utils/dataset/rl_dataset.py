@@ -9,22 +9,24 @@ little memory.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from hflow.utils.errors import DataError
+from hflow.utils.errors import ConfigError, DataError, DataFileNotFoundError
 from hflow.utils.torch_functional import compute_position_id_with_mask
 
-__all__ = ["RLHFDataset", "collate_fn", "read_parquet", "read_parquet_schema"]
+__all__ = ["RLHFDataset", "apply_chat_template", "collate_fn", "read_parquet", "read_parquet_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,10 @@ class RLHFDataset(Dataset):
     ``max_prompt_length``, left-padded), ``raw_prompt_ids`` (the unpadded ids, for vLLM),
     ``raw_prompt`` (the messages; only with ``return_raw_chat``), ``index`` (``extra_info.index``, else
     the row number) and every other column of the row (``data_source``, ``reward_model``, ...).
-    With ``filter_overlong_prompts``, longer prompts are dropped at load and counted in `num_filtered`.
+    With ``filter_overlong_prompts``, longer prompts are dropped at load and counted in `num_filtered`;
+    without it and with ``truncation=error``, a longer prompt stops the load, naming its file and row.
+    Errors name the file, and for one prompt its row: `ConfigError` for a setting, `DataError` for the data
+    (both ValueErrors).
     """
 
     def __init__(
@@ -65,24 +70,35 @@ class RLHFDataset(Dataset):
         self.truncation = config.truncation
         self.return_raw_chat = bool(config.return_raw_chat)
         self.chat_template = config.chat_template
+        self.files_key = files_key
         if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
+            raise ConfigError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
         if self.max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length={self.max_prompt_length}; it must be at least 1")
+            raise ConfigError(f"data.max_prompt_length={self.max_prompt_length}; it must be at least 1")
+        tokenizer_name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
         if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
-                "template; set data.chat_template to a Jinja chat template"
+            raise ConfigError(
+                f"the tokenizer ({tokenizer_name}) has no chat template; set data.chat_template to a Jinja chat "
+                "template, or use a model folder whose tokenizer has one"
             )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_token_id is None:
-            raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
+            raise ConfigError(f"the tokenizer ({tokenizer_name}) has neither a pad token nor an EOS token to pad "
+                              "prompts with; give its tokenizer_config.json an eos_token")
 
         tables = [self._read(path, files_key) for path in self.files]
+        # The first row of each file in the concatenated table, and after filtering the rows kept: a
+        # sample's file and row, for the messages.
+        self._file_starts = np.cumsum([0] + [table.num_rows for table in tables[:-1]]).tolist()
+        self._kept: list[int] | None = None
         self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        if self._table.num_rows:
+            self._render(self._table.column(self.prompt_key)[0].as_py(), 0)  # a template that fails, fails now
         self.num_filtered = 0
         if config.filter_overlong_prompts:
             self._drop_overlong()
+        elif self.truncation == "error":
+            self._check_lengths()
 
     def __len__(self) -> int:
         return self._table.num_rows
@@ -90,7 +106,7 @@ class RLHFDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self._table.slice(index, 1).to_pylist()[0]
         messages = row.pop(self.prompt_key)
-        ids = self._truncate(self._encode(messages), index)
+        ids = self._truncate(self._encode(messages, index), index)
 
         padding = self.max_prompt_length - len(ids)
         input_ids = torch.tensor([self.pad_token_id] * padding + ids, dtype=torch.long)
@@ -137,22 +153,66 @@ class RLHFDataset(Dataset):
         reward_type = schema.field("reward_model").type
         if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
             raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
+        self._check_messages(table, path, files_key)
         return table
+
+    def _check_messages(self, table: pa.Table, path: str, files_key: str) -> None:
+        """Every prompt is a non-empty list of messages with a role and a content (the chat template would
+        fail on a null one, mid-run, with an error naming neither the file nor the row)."""
+        prompts = table.column(self.prompt_key).combine_chunks()
+        empty = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.list_value_length(prompts), 0)).fill_null(True)
+        if pc.any(empty).as_py():
+            row = pc.index(empty, True).as_py()
+            raise DataError(f"{files_key}: {path} row {row}: column {self.prompt_key!r} holds no messages; give "
+                            "every row at least one {'role': ..., 'content': ...} message, or drop the row")
+        messages = prompts.flatten()
+        for field in ("role", "content"):
+            missing = pc.is_null(pc.struct_field(messages, field))
+            if pc.any(missing).as_py():
+                row = pc.list_parent_indices(prompts)[pc.index(missing, True).as_py()].as_py()
+                raise DataError(f"{files_key}: {path} row {row}: a message of column {self.prompt_key!r} has no "
+                                f"{field!r} (null); give every message a role and a content, or drop the row")
+
+    def _where(self, index: int) -> str:
+        """File and row of the sample at `index` (after filtering)."""
+        row = index if self._kept is None else self._kept[index]
+        file = bisect.bisect_right(self._file_starts, row) - 1
+        return f"{self.files_key}: {self.files[file]} row {row - self._file_starts[file]}"
+
+    def _lengths(self) -> list[int]:
+        """Token count of every templated prompt."""
+        prompts = self._table.column(self.prompt_key).to_pylist()
+        texts = [self._render(messages, i) for i, messages in enumerate(prompts)]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _check_lengths(self) -> None:
+        """With truncation=error and no filter: no prompt longer than ``max_prompt_length`` (else the run
+        would stop at the batch that holds it, hours in)."""
+        lengths = self._lengths()
+        overlong = [i for i, length in enumerate(lengths) if length > self.max_prompt_length]
+        if overlong:
+            first = overlong[0]
+            raise DataError(
+                f"{self._where(first)}: the prompt of sample {first} is {lengths[first]} tokens, longer than "
+                f"data.max_prompt_length={self.max_prompt_length} ({len(overlong)} of {len(lengths)} prompts are); "
+                "raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, or set "
+                "data.truncation to left, right or middle"
+            )
 
     def _drop_overlong(self) -> None:
         """Drop rows whose templated prompt is longer than ``max_prompt_length`` tokens."""
-        texts = [self._render(messages) for messages in self._table.column(self.prompt_key).to_pylist()]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths = self._lengths()
         keep = [i for i, length in enumerate(lengths) if length <= self.max_prompt_length]
         self.num_filtered = len(lengths) - len(keep)
         if not keep:
             raise DataError(
-                f"{self.files}: all {len(lengths)} prompts are longer than data.max_prompt_length="
-                f"{self.max_prompt_length} tokens (the shortest has {min(lengths, default=0)}); raise "
-                "data.max_prompt_length"
+                f"{self.files_key} ({', '.join(self.files)}): all {len(lengths)} prompts are longer than "
+                f"data.max_prompt_length={self.max_prompt_length} tokens (the shortest has {min(lengths, default=0)}); "
+                "raise data.max_prompt_length"
             )
         if self.num_filtered:
             self._table = self._table.take(pa.array(keep, type=pa.int64()))
+            self._kept = keep
             logger.warning(
                 "RLHFDataset %s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens "
                 "(data.filter_overlong_prompts=true)",
@@ -164,12 +224,14 @@ class RLHFDataset(Dataset):
 
     # ---- per item --------------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], index: int) -> str:
+        """The prompt of sample `index` through the chat template."""
         kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return apply_chat_template(self.tokenizer, messages, lambda: self._where(index), add_generation_prompt=True,
+                                   tokenize=False, **kwargs)
 
-    def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
+    def _encode(self, messages: list[dict[str, Any]], index: int) -> list[int]:
+        return self.tokenizer(self._render(messages, index), add_special_tokens=False)["input_ids"]
 
     def _truncate(self, ids: list[int], index: int) -> list[int]:
         limit = self.max_prompt_length
@@ -183,9 +245,9 @@ class RLHFDataset(Dataset):
             head = limit // 2
             return ids[:head] + ids[len(ids) - (limit - head) :]
         raise DataError(
-            f"{self.files}: the prompt of sample {index} is {len(ids)} tokens, longer than data.max_prompt_length="
-            f"{limit}; raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, "
-            "or set data.truncation to left, right or middle"
+            f"{self._where(index)}: the prompt of sample {index} is {len(ids)} tokens, longer than "
+            f"data.max_prompt_length={limit}; raise data.max_prompt_length, set data.filter_overlong_prompts=true to "
+            "drop such prompts, or set data.truncation to left, right or middle"
         )
 
 
@@ -221,6 +283,24 @@ def collate_fn(items: list[dict[str, Any]]) -> dict[str, torch.Tensor | np.ndarr
     return batch
 
 
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], where: Callable[[], str], **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)`, its failures the user's to fix: a template that
+    does not compile is a `ConfigError` (data.chat_template, or the tokenizer's own), one that fails on
+    these messages a `DataError` naming the row (`where()`: file and row)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateSyntaxError as err:
+        source = ("data.chat_template" if kwargs.get("chat_template")
+                  else "the chat template (data.chat_template, or the tokenizer's own)")
+        raise ConfigError(f"{source} is not a valid Jinja template (line {err.lineno}: {err.message}); fix it, or "
+                          "set data.chat_template to one that is") from None
+    except Exception as err:  # noqa: BLE001 - whatever the template raises on these messages
+        raise DataError(f"{where()}: the chat template fails on its messages ({type(err).__name__}: {err}); fix "
+                        "the row, or set data.chat_template to a template that takes it") from None
+
+
 def read_parquet(path: str | os.PathLike, files_key: str, columns: list[str] | None = None) -> pa.Table:
     """`pq.read_table`, with errors that name the file and the key it came from (pyarrow's own, such as
     "Parquet magic bytes not found", name neither)."""
@@ -245,10 +325,13 @@ def _unreadable(path: str | os.PathLike, files_key: str, err: Exception) -> Data
 
 def _resolve_files(data_files: Any, files_key: str) -> list[str]:
     if data_files is None or (not isinstance(data_files, (str, os.PathLike)) and len(data_files) == 0):
-        raise ValueError(f"{files_key} is not set; give a parquet file or a list of parquet files")
+        raise ConfigError(f"{files_key} is not set; give a parquet file or a list of parquet files")
     paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
     resolved = [os.path.expanduser(os.fspath(path)) for path in paths]
     for path in resolved:
+        if os.path.isdir(path):
+            raise DataError(f"{files_key}: {path!r} is a folder; give the parquet files in it "
+                            f"({files_key}=[a.parquet,b.parquet])")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{files_key}: no such file {path!r}")
+            raise DataFileNotFoundError(f"{files_key}: no such file {path!r}")
     return resolved

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hflow.utils.dataset.rl_dataset import _resolve_files, read_parquet
-from hflow.utils.errors import DataError
+from hflow.utils.dataset.rl_dataset import _resolve_files, apply_chat_template, read_parquet
+from hflow.utils.errors import ConfigError, DataError
 
 __all__ = ["PreferenceDataset", "SFTDataset", "encode_turn", "sft_collate_fn", "preference_collate_fn"]
 
@@ -45,10 +45,24 @@ def _as_chat(prompt: Any, where: str) -> list[dict[str, str]]:
                     f"got {type(prompt).__name__}")
 
 
+def _use_chat_template(tokenizer, template: str | None) -> None:
+    """`data.chat_template` when set, else the tokenizer's own, which it must have."""
+    if template:
+        tokenizer.chat_template = template
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
+                          "template; set data.chat_template to a Jinja chat template, or use a model folder whose "
+                          "tokenizer has one")
+
+
+def _render_ids(tokenizer, chat: list[dict[str, str]], where: str, **kwargs: Any) -> list[int]:
+    return _ids(apply_chat_template(tokenizer, chat, lambda: where, tokenize=True, **kwargs))
+
+
 def encode_turn(tokenizer, context: list[dict[str, str]], reply: str, where: str) -> tuple[list[int], list[int]]:
     """(context ids with the generation prompt, reply ids up to and including the end-of-turn token)."""
-    prefix = _ids(tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True))
-    full = _ids(tokenizer.apply_chat_template(context + [{"role": "assistant", "content": reply}], tokenize=True))
+    prefix = _render_ids(tokenizer, context, where, add_generation_prompt=True)
+    full = _render_ids(tokenizer, context + [{"role": "assistant", "content": reply}], where)
     if full[: len(prefix)] != prefix:
         raise DataError(
             f"{where}: the tokenizer's chat template renders a conversation so that its beginning changes when an "
@@ -83,8 +97,7 @@ class SFTDataset(Dataset):
     def __init__(self, data_files: Any, tokenizer, config, files_key: str = "data.train_files"):
         self.tokenizer = tokenizer
         self.rows: list[tuple[list[int], list[int]]] = []
-        if config.chat_template:
-            tokenizer.chat_template = config.chat_template
+        _use_chat_template(tokenizer, config.chat_template)
         for path in _resolve_files(data_files, files_key):
             self._read(path, files_key, config)
         if not self.rows:
@@ -168,8 +181,7 @@ class PreferenceDataset(Dataset):
 
     def __init__(self, data_files: Any, tokenizer, config, files_key: str = "data.train_files"):
         self.tokenizer = tokenizer
-        if config.chat_template:
-            tokenizer.chat_template = config.chat_template
+        _use_chat_template(tokenizer, config.chat_template)
         self.groups: list[tuple[list[list[int]], int]] = []
         self.num_dropped_ties = 0
         for path in _resolve_files(data_files, files_key):

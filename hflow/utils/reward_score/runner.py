@@ -91,6 +91,11 @@ class FileFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **{**self.kwargs, **kwargs})
 
+    @property
+    def function(self) -> Callable[..., Any]:
+        """The function itself, as the file defines it (without the bound kwargs)."""
+        return self._fn
+
     def __repr__(self) -> str:
         return f"FileFunction({self.path!r}, {self.name!r}, kwargs={self.kwargs!r})"
 

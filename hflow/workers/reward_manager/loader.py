@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hflow.utils.errors import UserError
 from hflow.utils.reward_score.runner import FileFunction
 from hflow.workers.reward_manager.registry import get_reward_manager_cls
 
-__all__ = ["get_custom_reward_fn", "load_reward_manager"]
+__all__ = ["check_reward_fn_signature", "get_custom_reward_fn", "load_reward_manager"]
+
+# What the reward manager passes a rule-based function for every sample (`NaiveRewardManager`), beside
+# `custom_reward_function.reward_kwargs`.
+SCORE_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+class RewardSignatureError(UserError, TypeError):
+    """A reward function that the reward manager cannot call with its arguments."""
 
 
 def get_custom_reward_fn(config: DictConfig) -> FileFunction | None:
@@ -25,6 +35,26 @@ def get_custom_reward_fn(config: DictConfig) -> FileFunction | None:
         return None
     kwargs = OmegaConf.to_container(section.reward_kwargs, resolve=True)
     return FileFunction(section.path, section.name, kwargs, config_key="custom_reward_function")
+
+
+def check_reward_fn_signature(fn: FileFunction | None) -> None:
+    """`fn` can be called as the reward manager calls it: with the keyword arguments `SCORE_ARGUMENTS` and
+    its bound `reward_kwargs`. Unchecked, a function that cannot take them fails on the first sample, once
+    Ray and the models have started."""
+    if fn is None:
+        return
+    try:
+        signature = inspect.signature(fn.function)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: its call will tell
+    arguments = dict.fromkeys(SCORE_ARGUMENTS) | fn.kwargs
+    try:
+        signature.bind(**arguments)
+    except TypeError as err:
+        raise RewardSignatureError(
+            f"{fn.config_key}.name={fn.name!r} in {fn.path} is {fn.name}{signature}, which cannot be called with "
+            f"the keyword arguments {', '.join(arguments)} ({err}); define it as def {fn.name}(data_source, "
+            "solution_str, ground_truth, extra_info=None, **kwargs)") from None
 
 
 def load_reward_manager(config: DictConfig, tokenizer: Any, num_examine: int, **reward_kwargs: Any) -> Any:

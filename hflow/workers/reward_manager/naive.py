@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from hflow.protocol import DataProto
 from hflow.utils.errors import UserError
 from hflow.utils.reward_score import default_compute_score
+from hflow.utils.reward_score import runner
 from hflow.utils.reward_score.runner import CallResult, ScoringPool
 from hflow.workers.reward_manager.registry import register
 
@@ -183,14 +185,15 @@ class NaiveRewardManager:
         if failures:
             first = min(failures)
             where = f"sample {first} (data_source={calls[first]['data_source']!r})"
+            reason = _one_line(failures[first])
             if self.on_error == "raise":
                 raise RewardFunctionError(
-                    f"reward function {self.compute_score!r} failed on {where}: {failures[first]}\n"
-                    "Fix the function, or set custom_reward_function.on_error=zero to score such samples 0"
+                    f"reward function {self.compute_score!r} failed on {where}: {reason}; fix the function, or "
+                    "set custom_reward_function.on_error=zero to score such samples 0"
                 )
             print(
                 f"[reward] {len(failures)}/{len(calls)} samples failed and were scored 0 (on_error=zero); "
-                f"first: {where}: {failures[first]}"
+                f"first: {where}: {reason}"
             )
         return scores, extras, failures
 
@@ -232,6 +235,22 @@ def _call_inline(fn: Callable[..., Any], call: dict[str, Any]) -> CallResult:
         return CallResult(value=fn(**call))
     except Exception:  # noqa: BLE001 - user code: the caller decides (raise or score 0)
         return CallResult(error=traceback.format_exc())
+
+
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
+def _one_line(reason: str) -> str:
+    """A failure's reason on one line, for the one-line message the run ends with: a traceback becomes its
+    exception and the frames it came through, innermost first (without FileFunction's own call)."""
+    lines = reason.rstrip().splitlines()
+    if not lines or not lines[0].startswith("Traceback"):
+        return " ".join(line.strip() for line in lines)
+    frames = [match for match in map(_FRAME.match, lines) if match and match["file"] != runner.__file__]
+    after_frames = max(i for i, line in enumerate(lines) if line.startswith("  ")) + 1
+    exception = " ".join(line.strip() for line in lines[after_frames:])
+    where = ", called from ".join(f"{m['file']} line {m['line']} in {m['func']}" for m in reversed(frames[-4:]))
+    return f"raised {exception}" + (f" at {where}" if where else "")
 
 
 def _parse_result(outcome: CallResult) -> tuple[float, dict[str, Any]] | str:

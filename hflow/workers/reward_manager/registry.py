@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hflow.utils.errors import ConfigError
+
 __all__ = ["REWARD_MANAGERS", "get_reward_manager_cls", "register"]
 
 REWARD_MANAGERS: dict[str, type] = {}
@@ -28,7 +30,7 @@ def register(name: str) -> Callable[[type], type]:
 def get_reward_manager_cls(name: str) -> type:
     """The class registered under `name`."""
     if name not in REWARD_MANAGERS:
-        raise ValueError(
+        raise ConfigError(
             f"reward_model.reward_manager={name!r} is not a known reward manager; known: {sorted(REWARD_MANAGERS)}"
         )
     return REWARD_MANAGERS[name]
