@@ -1,7 +1,13 @@
 """Placement: colocate vs split vs split + async, on the same work, 2 devices.
 
-    .venv/bin/python bench/placement.py                                   # both workloads, 3 placements
-    .venv/bin/python bench/placement.py --workloads builtin --steps 6     # a quick look
+    .venv/bin/python bench/placement.py                    # builtin, 3 placements x 3 repetitions (~15 min)
+    .venv/bin/python bench/placement.py --workloads smollm2 --repeats 3   # ~7 min per configuration run
+
+Repetitions are interleaved: every repetition runs each configuration once, in an order rotated by one
+place per repetition (colocate, split, async; then split, async, colocate; ...), so that a change in the
+machine's load falls on every configuration alike. The 1-minute load average is recorded before and after
+each run (and every 5 s while it runs). The report states a ranking only where it holds in every
+repetition, and says that it is not stable otherwise.
 
 Placements (`trainer.placement`, `trainer.rollout_n_gpus`, `trainer.async_steps`), D = 2 devices:
 
@@ -15,7 +21,8 @@ Placements (`trainer.placement`, `trainer.rollout_n_gpus`, `trainer.async_steps`
 Workloads (identical prompts, n, lengths, seeds, optimizer and algorithm for every placement):
 
   builtin   the built-in 0.46M-parameter Qwen2 and arithmetic task (config/builtin_task.yaml): 32 prompts
-            x 8 samples x 8 tokens; validation: the 40 held-out problems, greedy.
+            x 8 samples x 8 tokens, 12 steps; validation: the 40 held-out problems, greedy, every 3 steps.
+            (12 steps, not the 20 of earlier reports, to keep 3 x 3 runs near 15 minutes.)
   smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 4 prompts x 4 samples
             x 32 tokens at T=0.7, lr 1e-5; validation: 50 of the 200 held-out problems, greedy.
 
@@ -61,13 +68,14 @@ TRAIN_DEVICES = {"colocate": DEVICES, "split": DEVICES - 1, "async": DEVICES - 1
 
 WORKLOADS = {
     # the built-in task's own settings (config/builtin_task.yaml) except what is written here
-    "builtin": {"steps": 20, "test_freq": 2, "warmup": 2, "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
+    "builtin": {"steps": 12, "test_freq": 3, "warmup": 2, "micro_batch_size": 128, "kv_cache_bytes": 64 * 2**20},
     # ~40-60 s per step and ~2.5 min of start-up per configuration on the shared 2 cores: few steps
     "smollm2": {"steps": 6, "test_freq": 3, "warmup": 1, "micro_batch_size": 8, "kv_cache_bytes": 512 * 2**20,
                 "batch_prompts": 4, "n": 4, "max_prompt_length": 96, "response_length": 32, "lr": 1e-5,
                 "temperature": 0.7, "val_problems": 50},
 }
 SEED = 1
+REPEATS = 3
 
 # Phases of the table: (column, metric). `gen` is what the driver waited for generation (colocate: it
 # includes the in-worker weight sync); `generate_worker` is the engine's own generation time.
@@ -144,12 +152,13 @@ def run_config(workload: str, placement: str, steps: int, test_freq: int, work: 
     command = [sys.executable, "-m", "hflow.trainer.main_ppo",
                *overrides_for(workload, placement, steps, test_freq, work, files)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+    load_before = load_1min()
     started = time.perf_counter()
     loads: list[float] = []  # the machine's 1-minute load average, every 5 s while the run lasts
     with open(work / "hflow.log", "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         while process.poll() is None:
-            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            loads.append(load_1min())
             try:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -159,7 +168,23 @@ def run_config(workload: str, placement: str, steps: int, test_freq: int, work: 
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"records": records, "process_wall_s": wall, "command": command[3:],
+            "load_before": load_before, "load_after": load_1min(),
             "load_mean": statistics.mean(loads) if loads else None, "load_max": max(loads, default=None)}
+
+
+def load_1min() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def schedule(workloads: list[str], placements: list[str], repeats: int) -> list[tuple[int, str, str]]:
+    """(repetition, workload, placement) in the order they run: repetition by repetition, each
+    configuration once per repetition, the placements' order rotated by one place per repetition."""
+    order = []
+    for rep in range(repeats):
+        shift = rep % len(placements)
+        for workload in workloads:
+            order += [(rep, workload, p) for p in placements[shift:] + placements[:shift]]
+    return order
 
 
 # ---- pure summaries (tests/bench/test_placement.py) ----------------------------------------------
@@ -262,38 +287,80 @@ def _cell(stats: dict, spread: bool = False, fmt: str = "{:.2f}") -> str:
     return text + (f" [{fmt.format(stats['min'])}-{fmt.format(stats['max'])}]" if spread else "")
 
 
+
+def aggregate(runs: list[dict]) -> dict:
+    """Across repetitions: for each statistic, the median, min and max of the runs' medians."""
+    done = [r["summary"] for r in runs if "summary" in r]
+    if not done:
+        return {}
+    out = {}
+    for key, value in done[0].items():
+        if isinstance(value, dict) and "median" in value:
+            out[key] = _stats([d[key]["median"] for d in done if d.get(key)])
+    out["train_wall_s"] = statistics.median(d["train_wall_s"] for d in done)
+    out["repetitions"] = len(done)
+    return out
+
+
+def _load(entry: dict) -> str:
+    if entry.get("load_before") is None:
+        return "-"
+    return (f"{entry['load_before']:.1f} / {entry['load_after']:.1f}"
+            + (f" ({entry['load_mean']:.1f}, max {entry['load_max']:.1f})" if entry.get("load_mean") else ""))
+
+
 def table(results: dict) -> str:
-    header = ["workload", "placement", "s/step [min-max]", "gen waited [min-max]", "generate_worker",
+    """One row per run (configuration x repetition), in the order the runs were made."""
+    header = ["run", "workload", "placement", "rep", "s/step [min-max]", "gen waited", "generate_worker",
               "weights (sync/stream)", "old_log_prob", "ref", "update_actor", "train (old_lp+ref+update)",
-              "overlap", "steps measured", "train wall s", "machine load"]
+              "overlap", "steps measured", "train wall s", "load 1-min before / after (mean, max during)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = [(entry.get("order", 0), workload, placement, entry) for workload, placements in results.items()
+            for placement, pair in placements.items() for entry in pair["runs"]]
+    for order, workload, placement, entry in sorted(rows, key=lambda r: r[0]):
+        s = entry.get("summary")
+        start = [str(order + 1), workload, placement, str(entry.get("repetition", 0) + 1)]
+        if s is None:
+            lines.append("| " + " | ".join(start + [f"failed: {entry.get('error', '?')}"]) + " |"
+                         + " |" * (len(header) - len(start) - 1))
+            continue
+        cells = start + [_cell(s["step"], True), _cell(s["gen"]), _cell(s["generate_worker"]),
+                         _cell(s["weights"]), _cell(s["old_log_prob"]), _cell(s["ref"]), _cell(s["update_actor"]),
+                         _cell(s["train"]), _cell(s["overlap"], fmt="{:.0%}"), str(len(s["measured_steps"])),
+                         f"{s['train_wall_s']:.0f}", _load(entry)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(results: dict) -> str:
+    """Per configuration: median over repetitions of each run's median [min-max over repetitions]."""
+    header = ["workload", "placement", "repetitions", "s/step", "generate_worker", "weights", "train", "overlap"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, placements in results.items():
-        for placement, entry in placements.items():
-            s = entry.get("summary")
-            if s is None:
-                failed = f"| {workload} | {placement} | failed: {entry.get('error', '?')} |"
-                lines.append(failed + " |" * (len(header) - 3))
+        for placement, pair in placements.items():
+            a = pair.get("summary") or {}
+            if not a:
+                lines.append(f"| {workload} | {placement} | 0 |" + " - |" * (len(header) - 3))
                 continue
-            cells = [workload, placement, _cell(s["step"], True), _cell(s["gen"], True), _cell(s["generate_worker"]),
-                     _cell(s["weights"]), _cell(s["old_log_prob"]), _cell(s["ref"]), _cell(s["update_actor"]),
-                     _cell(s["train"]), _cell(s["overlap"], fmt="{:.0%}"), str(len(s["measured_steps"])),
-                     f"{s['train_wall_s']:.0f}",
-                     f"{entry['load_mean']:.1f} (max {entry['load_max']:.1f})" if entry.get("load_mean") else "-"]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join([workload, placement, str(a["repetitions"]), _cell(a["step"], True),
+                                             _cell(a["generate_worker"], True), _cell(a["weights"], True),
+                                             _cell(a["train"], True), _cell(a["overlap"], True, "{:.0%}")]) + " |")
     return "\n".join(lines)
 
 
 def curve_table(results: dict) -> str:
-    lines = ["| workload | placement | validation score at step (cumulative s) |", "|---|---|---|"]
+    lines = ["| workload | placement | rep | validation score at step (cumulative s) |", "|---|---|---|---|"]
     for workload, placements in results.items():
-        for placement, entry in placements.items():
-            points = ", ".join(f"{p['step']}: {p['score']:.3f} ({p['wall_s']:.0f} s)" for p in entry.get("curve", []))
-            lines.append(f"| {workload} | {placement} | {points or '-'} |")
+        for placement, pair in placements.items():
+            for entry in pair["runs"]:
+                points = ", ".join(f"{p['step']}: {p['score']:.3f} ({p['wall_s']:.0f} s)"
+                                   for p in entry.get("curve", []))
+                lines.append(f"| {workload} | {placement} | {entry.get('repetition', 0) + 1} | {points or '-'} |")
     return "\n".join(lines)
 
 
 def plot(results: dict, output: Path) -> Path:
-    """One row per workload: validation score against step and against cumulative seconds."""
+    """One row per workload: validation score against step and against cumulative seconds, every run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,17 +368,20 @@ def plot(results: dict, output: Path) -> Path:
 
     workloads = list(results)
     fig, axes = plt.subplots(len(workloads), 2, figsize=(12, 4 * len(workloads)), squeeze=False)
+    colours = {}
     for row, workload in enumerate(workloads):
-        for placement, entry in results[workload].items():
-            curve = entry.get("curve") or []
-            if not curve:
-                continue
-            axes[row][0].plot([p["step"] for p in curve], [p["score"] for p in curve], marker="o", markersize=3,
-                              label=placement)
-            axes[row][1].plot([p["wall_s"] for p in curve], [p["score"] for p in curve], marker="o", markersize=3,
-                              label=placement)
+        for placement, pair in results[workload].items():
+            colour = colours.setdefault(placement, f"C{len(colours)}")
+            for i, entry in enumerate(pair["runs"]):
+                curve = entry.get("curve") or []
+                if not curve:
+                    continue
+                label = placement if i == 0 else None
+                for ax, x in zip(axes[row], ("step", "wall_s")):
+                    ax.plot([p[x] for p in curve], [p["score"] for p in curve], marker="o", markersize=3,
+                            color=colour, alpha=0.7, label=label)
         for ax, xlabel in zip(axes[row], ("step", "seconds (cumulative step + validation time)")):
-            ax.set_title(f"{workload}: validation score (greedy, mean@1)")
+            ax.set_title(f"{workload}: validation score (greedy, mean@1), every repetition")
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
             ax.set_ylim(bottom=0)  # a few problems' difference should not fill the panel
@@ -322,7 +392,6 @@ def plot(results: dict, output: Path) -> Path:
     fig.savefig(output, dpi=90)
     plt.close(fig)
     return output
-
 
 def model_terms(placements: dict) -> dict | None:
     """The model's terms measured on this machine (medians, seconds), from colocate, split and async."""
@@ -415,13 +484,21 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
+
 MD_TEMPLATE = """# Placement: colocate vs split vs split + async (2 devices)
 
-Machine: {machine}; {date}; load average (1/5/15 min) at start {load}, at the end {load_end}.
-Every number below is **measured** here except the model's (labelled "Model ..." and "Predicted"); `bench/placement.py` regenerates this file ({elapsed}).
-Settings: {settings}
+Made by `{command}` at commit {commit} on {date}. Machine: {machine}; load average (1/5/15 min) at start
+{load}, at the end {load_end}. Every number below is **measured** here except the model's (labelled "Model
+..." and "Predicted", computed from the measured terms by the formulas in `bench/placement.py`).
+{elapsed}. Options: {options}.
+Settings: {settings}. Runs are interleaved ({repeats} repetitions, each configuration once per repetition, the
+order rotated by one place per repetition).
 
-## Seconds per step and phases (medians over the measured steps, min-max in brackets)
+## Conclusions that hold in every repetition
+
+{discussion}
+
+## Every run (in the order made; per-run medians over its measured steps, min-max in brackets)
 
 {table}
 
@@ -430,10 +507,14 @@ Settings: {settings}
 `gen`), split/async's stream to the rollout pool (`timing_s/weight_stream`); `train` = old log-probs
 + reference + actor update (the devices' training work; reward and advantages run on the driver);
 `overlap` = 1 - gen waited / generate_worker (async; 0 for the synchronous placements); `train wall s` = sum
-of step + validation seconds over all steps; `machine load`: mean (max) 1-minute load average of the
-machine while the configuration ran (2 cores: above 2, other jobs shared them). Measured steps: after the
-warm-up, not the last one, not one right after a validation (there split/async's validation has already pushed the weights and waited for the
-generation in flight), the same rule for every placement.
+of step + validation seconds over all steps; load: the machine's 1-minute load average just before and just
+after the run, and its mean and max while it ran (2 cores: above 2, other jobs shared them). Measured steps:
+after the warm-up, not the last one, not one right after a validation (there split/async's validation has
+already pushed the weights and waited for the generation in flight), the same rule for every placement.
+
+## Across repetitions (median of the runs' medians [min-max over repetitions])
+
+{summary}
 
 ## Validation score against steps and seconds
 
@@ -441,7 +522,7 @@ generation in flight), the same rule for every placement.
 
 ![score vs step and vs seconds](placement.png)
 
-## The model
+## The model (computed from the measured medians above, not measured)
 
 Per step, with the phase times of colocate on all D devices (G: generation, T: training = old log-probs +
 reference + update, S: colocated weight sync, O: the rest of the step: reward, advantages, driver) and W the
@@ -452,8 +533,8 @@ devices that do it (generation on R devices takes G·D/R, training on D−R devi
     split     t = G·D/R + W + T·D/(D−R) + O
     async     t = W + max(G·D/R, T·D/(D−R)) + O         (engine: W + G_R per step, trainer: W + T_(D−R))
 
-**Measured terms and the model's check on 2 devices** (alpha: measured time ∝ (D/devices)^alpha, 1 =
-linear):
+**Measured terms (medians across repetitions) and the model's check on 2 devices** (alpha: measured time ∝
+(D/devices)^alpha, 1 = linear):
 
 {model}
 
@@ -463,70 +544,79 @@ equals G + T, so it beats colocate exactly when W < S (+ whatever colocate loses
 device), or when generation scales worse than linearly with devices (alpha_gen < 1: long responses are
 latency-bound, the slowest sample sets G whatever the device count), which lets a few rollout devices
 generate nearly as fast as all of them while the rest train.
-
-{discussion}
-{history}"""
-
+{gpu8}"""
 
 def first_reaching(curve: list[dict], threshold: float) -> dict | None:
     return next((point for point in curve if point["score"] >= threshold), None)
 
 
+
+def ranking(results: dict, workload: str) -> list[list[str]]:
+    """Per repetition, the placements from fastest to slowest (median s/step of the run)."""
+    by_rep: dict[int, dict[str, float]] = {}
+    for placement, pair in results[workload].items():
+        for entry in pair["runs"]:
+            if entry.get("summary", {}).get("step"):
+                by_rep.setdefault(entry.get("repetition", 0), {})[placement] = entry["summary"]["step"]["median"]
+    complete = [times for _, times in sorted(by_rep.items()) if len(times) == len(results[workload])]
+    return [sorted(times, key=times.get) for times in complete]
+
+
+def stable_conclusions(results: dict, workload: str) -> list[str]:
+    """Only what every repetition agrees on: the ranking when it never changes, else each pairwise
+    order that holds in every repetition, and the word that the ranking is not stable."""
+    ranks = ranking(results, workload)
+    if not ranks:
+        return [f"**{workload}**: no repetition completed every placement; nothing to conclude."]
+    n = len(ranks)
+    if n < 2:
+        return [f"**{workload}**: one complete repetition ({' < '.join(ranks[0])}); one repetition supports no "
+                "conclusion."]
+    if all(r == ranks[0] for r in ranks):
+        out = [f"**{workload}**: the same ranking in all {n} repetitions, fastest first: "
+               f"**{' < '.join(ranks[0])}** (s/step)."]
+    else:
+        out = [f"**{workload}**: the ranking is **not stable** across the {n} repetitions ("
+               + "; ".join(f"rep {i + 1}: {' < '.join(r)}" for i, r in enumerate(ranks))
+               + "), so no placement is called the fastest."]
+        names = ranks[0]
+        pairs = [(a, b) for a in names for b in names if a != b and all(r.index(a) < r.index(b) for r in ranks)]
+        if pairs:
+            out.append("Orders that hold in every repetition: " + ", ".join(f"{a} faster than {b}" for a, b in pairs)
+                       + ".")
+    agg = {p: pair.get("summary") or {} for p, pair in results[workload].items()}
+    if "colocate" in agg and agg["colocate"].get("step"):
+        co = agg["colocate"]["step"]["median"]
+        out.append("s/step relative to colocate (median over repetitions [min-max of the runs' medians]): " + ", ".join(
+            f"{p} {a['step']['median'] / co:.2f}x [{a['step']['min'] / co:.2f}-{a['step']['max'] / co:.2f}]"
+            for p, a in agg.items() if p != "colocate" and a.get("step")) + ".")
+    if agg.get("async", {}).get("overlap"):
+        a = agg["async"]
+        hidden = "all" if a["overlap"]["min"] >= 0.995 else f"at least {a['overlap']['min']:.0%}"
+        out.append(f"Async hid {hidden} of the engine's generation behind training in every repetition (median of "
+                   f"the runs' medians {a['overlap']['median']:.0%}); the price is one step of staleness.")
+    firsts = {}
+    for placement, pair in results[workload].items():
+        firsts[placement] = [first_reaching(e.get("curve", []), 0.9) for e in pair["runs"] if e.get("curve")]
+    if firsts and all(firsts.values()):
+        reached = {p: [r["step"] for r in rs if r] for p, rs in firsts.items()}
+        out.append("First validation >= 0.9, step in each repetition: " + "; ".join(
+            f"{p} {', '.join(str(s) for s in steps) if steps else '-'}"
+            + (f" (not reached in {len(firsts[p]) - len(steps)})" if len(steps) < len(firsts[p]) else "")
+            for p, steps in reached.items()) + ".")
+        lasts = {p: [e["curve"][-1]["score"] for e in pair["runs"] if e.get("curve")]
+                 for p, pair in results[workload].items()}
+        out.append("Last validation in each repetition: " + "; ".join(
+            f"{p} {', '.join(f'{v:.3f}' for v in vals)}" for p, vals in lasts.items()) + ".")
+    return out
+
+
 def discussion(results: dict, model: dict) -> str:
-    lines = ["## When each placement wins (from the numbers above)", ""]
-    for workload, placements in results.items():
-        done = {p: e["summary"] for p, e in placements.items() if "summary" in e}
-        if not done:
-            continue
-        med = {p: done[p]["step"]["median"] for p in done}
-        fastest = min(med, key=med.get)
-        wall = min(done, key=lambda p: done[p]["train_wall_s"])
-        ratios = ", ".join(f"{p} {med[p] / med['colocate']:.2f}x" for p in done if p != "colocate") \
-            if "colocate" in done else ""
-        close = [p for p in done if p != fastest and done[p]["step"]["min"] <= med[fastest]]
-        lines.append(f"- **{workload}**: fastest per step **{fastest}**"
-                     + (f" (but not separable from {' and '.join(close)}: their fastest steps beat its median)"
-                        if close else "")
-                     + f", shortest wall-clock **{wall}**; s/step relative to colocate: {ratios}.")
-        terms = model.get(workload)
-        if terms:
-            lines.append(
-                f"  Colocate's G/T = {terms['G'] / terms['T']:.2f} ("
-                + ("generation-bound" if terms["G"] > terms["T"] else "training-bound")
-                + f"). On 1 device generation took {terms['G_R'] / terms['G']:.2f}x and training "
-                f"{terms['T_DR'] / terms['T']:.2f}x their time on 2 (2.00x = linear): halving the devices of a phase "
-                "costs " + ("little" if max(terms['G_R'] / terms['G'], terms['T_DR'] / terms['T']) < 1.5 else "much")
-                + f" here, and split trades colocate's weight sync S = {terms['S']:.2f} s for a stream W = "
-                f"{terms['W']:.2f} s.")
-        if "async" in done:
-            a = done["async"]
-            lines.append(
-                f"  Async hid {a['overlap']['median']:.0%} of the engine's generation "
-                f"({a['generate_worker']['median']:.2f} s) behind training ({a['train']['median']:.2f} s), so its step "
-                f"is about W + max(G_R, T_(D-R)) + O; the price is one step of staleness (training/staleness = "
-                f"{a['staleness']['median']:.0f}).")
-        reached = {p: first_reaching(placements[p].get("curve", []), 0.9) for p in done}
-        if any(reached.values()):
-            lines.append("  First validation >= 0.9: " + ", ".join(
-                f"{p} step {r['step']} at {r['wall_s']:.0f} s" if r else f"{p} not reached" for p, r in reached.items())
-                + ".")
-        finals = {p: placements[p]["curve"][-1] for p in done if placements[p].get("curve")}
-        if finals:
-            lines.append("  Last validation: " + ", ".join(
-                f"{p} {f['score']:.3f} (step {f['step']}, {f['wall_s']:.0f} s)" for p, f in finals.items()) + ".")
-    gpu8 = model.get("gpu8")
-    if gpu8:
-        a, b = gpu8["best_R"]["async"], gpu8["best_R"]["split"]
-        lat = gpu8["alpha_gen"][0.0]
-        lines += ["", f"- **8 GPUs, long responses, G = 3T (predicted by the model above, not measured)**: colocate "
-                  f"{gpu8['colocate']:.2f}T; async at its best R = {a} rollout GPUs {gpu8['by_R'][a]['async']:.2f}T, a "
-                  f"tie up to S - W; sync split at its best R = {b} {gpu8['by_R'][b]['split']:.2f}T, always last. "
-                  "With linear scaling nothing beats colocate by more than S - W: async only pays off when generation "
-                  f"scales worse than linearly, up to {gpu8['colocate'] / lat['t']['async']:.2f}x when it is latency-"
-                  f"bound (alpha_gen = 0, R = {lat['best_R']['async']}: training hidden entirely: "
-                  "(G + S + T)/(G + W)). Split "
-                  "also needs the training pool (D - R GPUs) to hold the model and optimizer state, which the model "
-                  "does not check."]
+    lines = []
+    for workload in results:
+        conclusions = stable_conclusions(results, workload)
+        lines.append("- " + conclusions[0])
+        lines += [f"  {c}" for c in conclusions[1:]]
     fits = []
     for workload, terms in model.items():
         if workload == "gpu8":
@@ -535,65 +625,65 @@ def discussion(results: dict, model: dict) -> str:
         error = max(abs(pred[k] - meas[k]) / meas[k] for k in meas)
         fits.append(f"{workload}: the linear model is off by up to {error:.0%} (alpha_gen = {terms['alpha_gen']:.2f}, "
                     f"alpha_train = {terms['alpha_train']:.2f})")
-    lines += ["", "How far the 2-device measurements follow the linear model: " + "; ".join(fits) + ". The two "
-              "\"devices\" are two worker processes with one torch thread each on a 2-core machine that they share "
-              "with the driver, Ray, the reward processes and, while this ran, other jobs (load column). Where two "
-              "CPU ranks are not faster than one (alpha near 0: FSDP's gloo all-gathers and reduce-scatters of the "
-              "whole model, shared cores and memory bandwidth), giving a phase one device instead of two costs "
-              "nothing and split keeps up with colocate; where they are (alpha near 1), colocate wins as the model "
-              "says. Split/async's concurrent phases compete for the same two cores (the slowdowns above), which "
-              "limits what overlap can gain here. The 8-GPU prediction assumes linear scaling of data-parallel "
-              "work (and shows what alpha_gen < 1 changes); this machine cannot check it. Validation of smollm2 "
-              "(50 problems, a few steps at lr 1e-5) is mostly noise (binomial standard error ~0.06 at a score of "
-              "0.2)."]
+    if fits:
+        lines += ["", "How far the 2-device medians follow the linear model: " + "; ".join(fits) + ". The two "
+                  "\"devices\" are two worker processes with one torch thread each on a 2-core machine that they "
+                  "share with the driver, Ray, the reward processes and other jobs (load columns), so what one "
+                  "placement gains here says little about GPUs; the model below carries the measured terms over."]
     return "\n".join(lines)
 
 
-def run_digest(report: dict) -> dict:
-    """What --history keeps of an earlier run: its date and, per configuration, s/step and machine load."""
-    digest = {"date": report["date"], "runs": {}}
-    for workload, placements in report["results"].items():
-        warmup = report["settings"][workload]["warmup"]
-        for placement, entry in placements.items():
-            if "records" in entry:
-                digest["runs"][f"{workload}/{placement}"] = {
-                    "s_per_step": summarize(entry["records"], placement, warmup)["step"].get("median"),
-                    "load_mean": entry.get("load_mean")}
-    return digest
-
-
-def history_table(report: dict) -> str:
-    """s/step of this run beside earlier runs of the same benchmark (same settings), with the load."""
-    runs = [*report.get("history", []), run_digest(report)]
-    if len(runs) < 2:
+def gpu8_text(model: dict) -> str:
+    gpu8 = model.get("gpu8")
+    if not gpu8:
         return ""
-    keys = list(runs[-1]["runs"])
-    cell = lambda r: "-" if r is None else f"{r['s_per_step']:.2f}" + (  # noqa: E731
-        f" (load {r['load_mean']:.1f})" if r.get("load_mean") else "")
-    lines = ["", "## Repeatability", "",
-             "The same benchmark run more than once on this shared machine (median s/step, mean machine load "
-             "while it ran; the last column is the run reported above). Differences between runs are mostly the "
-             "other jobs' load.", "",
-             "| configuration | " + " | ".join(r["date"] for r in runs) + " |", "|---|" + "---|" * len(runs)]
-    for key in keys:
-        lines.append(f"| {key} | " + " | ".join(cell(r["runs"].get(key)) for r in runs) + " |")
-    return "\n".join(lines) + "\n"
+    a, b = gpu8["best_R"]["async"], gpu8["best_R"]["split"]
+    lat = gpu8["alpha_gen"][0.0]
+    return ("\n**8 GPUs, long responses, G = 3T (predicted by the model, not measured)**: colocate "
+            f"{gpu8['colocate']:.2f}T; async at its best R = {a} rollout GPUs {gpu8['by_R'][a]['async']:.2f}T, a "
+            f"tie up to S - W; sync split at its best R = {b} {gpu8['by_R'][b]['split']:.2f}T, always last. "
+            "With linear scaling nothing beats colocate by more than S - W: async only pays off when generation "
+            f"scales worse than linearly, up to {gpu8['colocate'] / lat['t']['async']:.2f}x when it is latency-"
+            f"bound (alpha_gen = 0, R = {lat['best_R']['async']}). Split also needs the training pool (D - R GPUs) "
+            "to hold the model and optimizer state, which the model does not check.\n")
+
+
+def relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() + ("+changes" if subprocess.run(
+                                  ["git", "status", "--porcelain", "--", "bench/placement.py", "hflow"], cwd=ROOT,
+                                  capture_output=True, text=True).stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
 
 
 def write_report(report: dict, out: Path) -> None:
     """Summaries from the raw per-step records, then placement.{json,png,md} (also for --rerender)."""
     results, settings = report["results"], report["settings"]
     for workload, placements in results.items():
-        for placement, entry in placements.items():
-            if "records" in entry:
-                entry["summary"] = summarize(entry["records"], placement, settings[workload]["warmup"])
-                entry["curve"] = validation_curve(entry["records"])
-    model_text, report["model"] = model_section(results)
+        for placement, pair in placements.items():
+            for entry in pair["runs"]:
+                if "records" in entry:
+                    entry["summary"] = summarize(entry["records"], placement, settings[workload]["warmup"])
+                    entry["curve"] = validation_curve(entry["records"])
+            pair["summary"] = aggregate(pair["runs"])
+    model_text, report["model"] = model_section(
+        {w: {p: {"summary": pair["summary"]} for p, pair in placements.items() if pair["summary"]}
+         for w, placements in results.items()})
     for placements in results.values():  # the JSON keeps what the report and a --rerender read
-        for entry in placements.values():
-            if "records" in entry:
-                entry["records"] = [{k: v for k, v in r.items() if k == "step" or k.startswith(KEPT_METRICS)}
-                                    for r in entry["records"]]
+        for pair in placements.values():
+            for entry in pair["runs"]:
+                if "records" in entry:
+                    entry["records"] = [{k: v for k, v in r.items() if k == "step" or k.startswith(KEPT_METRICS)}
+                                        for r in entry["records"]]
     text = table(results)
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -602,35 +692,30 @@ def write_report(report: dict, out: Path) -> None:
     settings_text = "; ".join(
         f"{w}: {s['steps']} steps, validation every {s['test_freq']} (and before training), first {s['warmup']} "
         "step(s) warm-up" for w, s in settings.items())
-    runs = ", ".join(f"{w}/{p} {e['process_wall_s']:.0f} s" for w, r in results.items() for p, e in r.items()
-                     if "process_wall_s" in e)
     elapsed = report["benchmark_wall_s"]
     out.with_suffix(".md").write_text(MD_TEMPLATE.format(
-        machine=report["machine"], date=report["date"], load=report["load_at_start"],
-        load_end=report.get("load_at_end", "?"),
-        elapsed=f"this run took {elapsed / 60:.1f} min; each configuration's process, start-up and validations "
-                f"included: {runs}",
-        settings=settings_text, table=text, curves=curve_table(results), model=model_text,
-        discussion=discussion(results, report["model"]), history=history_table(report)))
+        command=report["command"], commit=report["commit"], machine=report["machine"], date=report["date"],
+        load=report["load_at_start"], load_end=report.get("load_at_end", "?"),
+        elapsed=f"The benchmark took {elapsed / 60:.1f} min ({len(report['order'])} runs, each a fresh trainer "
+                "process, start-up and validations included)",
+        options=json.dumps(report["options"]), settings=settings_text, repeats=report["options"]["repeats"],
+        discussion=discussion(results, report["model"]), table=text, summary=summary_table(results),
+        curves=curve_table(results), model=model_text, gpu8=gpu8_text(report["model"])))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default="builtin", help=f"comma-separated, of {list(WORKLOADS)}")
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="repetitions of every configuration")
     parser.add_argument("--steps", type=int, help="training steps per configuration (default: per workload)")
     parser.add_argument("--test-freq", type=int, help="validate every N steps (default: per workload)")
     parser.add_argument("--warmup", type=int, help="steps left out of the statistics (default: per workload)")
     parser.add_argument("--out", type=Path, default=RESULTS / "placement")
-    parser.add_argument("--rerender", type=Path,
-                        help="a placement.json: rewrite the report from its records, run nothing")
-    parser.add_argument("--history", type=Path, nargs="*", default=[],
-                        help="earlier placement.json files: their s/step and load are listed beside this run's")
+    parser.add_argument("--rerender", type=Path, help="a placement.json: rewrite the report from its records, run nothing")
     args = parser.parse_args(argv)
-    history = [run_digest(json.loads(path.read_text())) for path in args.history]
     if args.rerender:
         report = json.loads(args.rerender.read_text())
-        report["history"] = history or report.get("history", [])
         write_report(report, args.out)
         return report
     placements = [p for p in args.placements.split(",") if p]
@@ -639,31 +724,41 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = set(name) - set(known)
         if unknown:
             parser.error(f"{flag}: unknown {sorted(unknown)}; choose from {list(known)}")
-
-    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    order = schedule(workloads, placements, args.repeats)
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(),
+              "command": " ".join(["python bench/placement.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
+              "options": {**{k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                          "workloads": workloads, "placements": placements},
               "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-              "settings": {}, "results": {}, "history": history}
+              "order": [list(o) for o in order], "settings": {}, "results": {}}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="placement_") as tmp:
+        files = {}
         for workload in workloads:
             spec = WORKLOADS[workload]
             steps, test_freq = args.steps or spec["steps"], args.test_freq or spec["test_freq"]
             warmup = spec["warmup"] if args.warmup is None else args.warmup
-            files = smollm2_files(Path(tmp)) if workload == "smollm2" else None
+            files[workload] = smollm2_files(Path(tmp)) if workload == "smollm2" else None
             report["settings"][workload] = {**spec, "steps": steps, "test_freq": test_freq, "warmup": warmup}
-            results = report["results"][workload] = {}
-            for placement in placements:
-                work = Path(tmp) / workload / placement
-                log(f"{workload}: {placement} ({steps} steps) ...")
-                try:
-                    results[placement] = run_config(workload, placement, steps, test_freq, work, files)
-                except subprocess.CalledProcessError as error:
-                    tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
-                    log(f"{workload}: {placement} failed ({error}); last output:\n{tail}")
-                    results[placement] = {"error": str(error), "log_tail": tail}
-                    continue
-                median = summarize(results[placement]["records"], placement, warmup)["step"].get("median", math.nan)
-                log(f"{workload}: {placement} done in {results[placement]['process_wall_s']:.0f}s: {median:.2f} s/step")
+            report["results"][workload] = {p: {"runs": []} for p in placements}
+        for index, (rep, workload, placement) in enumerate(order):
+            s = report["settings"][workload]
+            work = Path(tmp) / workload / placement / f"rep{rep}"
+            log(f"run {index + 1}/{len(order)}: {workload} {placement} repetition {rep + 1} ({s['steps']} steps, "
+                f"load {load_1min():.1f}) ...")
+            try:
+                entry = run_config(workload, placement, s["steps"], s["test_freq"], work, files[workload])
+            except subprocess.CalledProcessError as error:
+                tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
+                log(f"{workload}: {placement} failed ({error}); last output:\n{tail}")
+                entry = {"error": str(error), "log_tail": tail}
+            entry.update(repetition=rep, order=index)
+            report["results"][workload][placement]["runs"].append(entry)
+            if "records" in entry:
+                median = summarize(entry["records"], placement, s["warmup"])["step"].get("median", math.nan)
+                log(f"  done in {entry['process_wall_s']:.0f}s: {median:.2f} s/step")
     report["benchmark_wall_s"] = time.perf_counter() - started
     report["load_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     write_report(report, args.out)

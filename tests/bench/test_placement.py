@@ -87,14 +87,72 @@ def test_model_formulas(placement):
 
 def test_table_has_one_row_per_run(placement, tmp_path):
     records = fake_async_run(tmp_path)
-    results = {"builtin": {"async": {"summary": placement.summarize(records, "async", warmup=0),
-                                     "curve": placement.validation_curve(records)},
-                           "split": {"error": "boom"}}}
+    results = {"builtin": {"async": {"runs": [{"summary": placement.summarize(records, "async", warmup=0),
+                                               "curve": placement.validation_curve(records), "repetition": 0,
+                                               "order": 1, "load_before": 1.5, "load_after": 2.25}]},
+                           "split": {"runs": [{"error": "boom", "repetition": 0, "order": 0}]}}}
     text = placement.table(results)
-    row = next(line for line in text.splitlines() if line.startswith("| builtin | async |"))
-    assert "4.00 [3.00-6.00]" in row and "75%" in row
-    assert "failed: boom" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert rows[0].startswith("| 1 | builtin | split | 1 | failed: boom")  # in the order the runs were made
+    assert rows[1].startswith("| 2 | builtin | async | 1 | 4.00 [3.00-6.00]")
+    assert "75%" in rows[1] and "1.5 / 2.2" in rows[1]  # load before / after the run
     assert "6: 0.600 (36 s)" in placement.curve_table(results)
+
+
+def test_schedule_interleaves_and_rotates(placement):
+    # every repetition runs each configuration once before the next repetition starts (caught: all runs
+    # of one configuration back to back), and the order rotates so no placement always goes first
+    order = placement.schedule(["builtin"], ["colocate", "split", "async"], 3)
+    assert [(rep, p) for rep, _, p in order] == [
+        (0, "colocate"), (0, "split"), (0, "async"), (1, "split"), (1, "async"), (1, "colocate"),
+        (2, "async"), (2, "colocate"), (2, "split")]
+
+
+def fake_results(placement, steps_by_rep: dict[str, list[float]]) -> dict:
+    """Runs whose every measured step takes the given seconds, one list entry per repetition."""
+    pairs = {}
+    for name, per_rep in steps_by_rep.items():
+        runs = []
+        for rep, seconds in enumerate(per_rep):
+            records = [{"step": 0, "val-core/x/reward/mean@1": 0.0}] + [
+                {"step": s, "timing_s/step": seconds, "timing_s/gen": 0.1, "timing_s/generate_worker": 0.2}
+                for s in range(1, 6)]
+            runs.append({"summary": placement.summarize(records, name, warmup=0), "repetition": rep,
+                         "curve": placement.validation_curve(records)})
+        pairs[name] = {"runs": runs, "summary": placement.aggregate(runs)}
+    return {"builtin": pairs}
+
+
+def test_conclusions_name_a_ranking_only_when_every_repetition_agrees(placement):
+    stable = fake_results(placement, {"colocate": [1.0, 1.1, 0.9], "split": [2.0, 2.1, 1.9], "async": [1.5, 1.6, 1.4]})
+    text = " ".join(placement.stable_conclusions(stable, "builtin"))
+    assert "same ranking in all 3 repetitions" in text and "colocate < async < split" in text
+    # repetition 2 flips colocate and async: no fastest placement, only the order that always held
+    flipped = fake_results(placement, {"colocate": [1.0, 1.7, 0.9], "split": [2.0, 2.1, 1.9], "async": [1.5, 1.6, 1.4]})
+    text = " ".join(placement.stable_conclusions(flipped, "builtin"))
+    assert "not stable" in text and "same ranking" not in text
+    assert "colocate faster than split" in text and "async faster than split" in text
+    assert "colocate faster than async" not in text and "async faster than colocate" not in text
+    assert flipped["builtin"]["colocate"]["summary"]["step"] == {"median": 1.0, "min": 0.9, "max": 1.7}
+
+
+def test_report_renders_from_runs(placement, tmp_path):
+    stable = fake_results(placement, {"colocate": [1.0, 1.1], "split": [2.0, 2.1], "async": [1.5, 1.6]})
+    for pair in stable["builtin"].values():
+        for entry in pair["runs"]:
+            entry.pop("summary"), entry.pop("curve")
+            entry["records"] = [{"step": 0, "val-core/x/reward/mean@1": 0.0}] + [
+                {"step": s, "timing_s/step": 1.0, "timing_s/gen": 0.1, "timing_s/generate_worker": 0.2,
+                 "timing_s/update_actor": 0.5} for s in range(1, 6)]
+            entry.update(process_wall_s=10.0, load_before=1.0, load_after=1.0, order=0)
+    report = {"results": stable, "settings": {"builtin": {"steps": 5, "test_freq": 5, "warmup": 0}},
+              "machine": "m", "date": "d", "commit": "c", "command": "python bench/placement.py",
+              "options": {"repeats": 2}, "load_at_start": "1 1 1", "load_at_end": "1 1 1",
+              "order": [[0, "builtin", "colocate"]] * 6, "benchmark_wall_s": 60.0}
+    placement.write_report(report, tmp_path / "placement")
+    text = (tmp_path / "placement.md").read_text()
+    assert "Made by `python bench/placement.py` at commit c" in text and '"repeats": 2' in text
+    assert (tmp_path / "placement.png").exists() and json.loads((tmp_path / "placement.json").read_text())
 
 
 def test_model_latency_bound_generation(placement):
