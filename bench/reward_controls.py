@@ -40,7 +40,7 @@ REWARDS = ("real", "coin_flip", "inverted")
 BUILTIN_SETTINGS = ROOT / "config" / "builtin_task.yaml"  # the recipe every run here uses
 
 
-def run_one(reward: str, seed: int, steps: int, work: Path) -> dict[int, float]:
+def run_one(reward: str, seed: int, steps: int, work: Path, threads: int | None = None) -> dict[int, float]:
     work.mkdir(parents=True)
     cmd = [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=grpo", "trainer.backend=local",
            "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf", f"trainer.total_training_steps={steps}",
@@ -49,6 +49,8 @@ def run_one(reward: str, seed: int, steps: int, work: Path) -> dict[int, float]:
            f"data.seed={seed}", f"trainer.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
            "trainer.logger=[jsonl]"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if threads:  # several runs at a time: one torch thread each, or their thread pools fight over the cores
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(work / "log.txt", "w") as log:
         subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     records = [json.loads(line) for line in open(work / "logs" / "hflow" / "default" / "metrics.jsonl")]
@@ -105,16 +107,17 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each is one process)")
     args = parser.parse_args()
     rewards = args.rewards.split(",")
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"command": "python bench/reward_controls.py " + " ".join(sys.argv[1:]), "commit": commit,
               "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "options": {"seeds": args.seeds, "steps": args.steps, "rewards": rewards,
-              "jobs": args.jobs, "builtin_settings": OmegaConf.to_container(OmegaConf.load(BUILTIN_SETTINGS))},
+              "jobs": args.jobs, "torch_threads_per_run": threads or "default", "builtin_settings": OmegaConf.to_container(OmegaConf.load(BUILTIN_SETTINGS))},
               "runs": {r: {} for r in rewards}}
 
     def one(reward: str, seed: int, tmp: str) -> None:
         started = time.perf_counter()
-        curve = run_one(reward, seed, args.steps, Path(tmp) / f"{reward}-{seed}")
+        curve = run_one(reward, seed, args.steps, Path(tmp) / f"{reward}-{seed}", threads)
         result["runs"][reward][str(seed)] = {"curve": {str(k): v for k, v in curve.items()},
                                              "summary": summarise(reward, curve),
                                              "seconds": round(time.perf_counter() - started, 1)}
