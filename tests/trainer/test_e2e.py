@@ -213,9 +213,10 @@ def _actor_optimizer_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
             for key, value in moments.items()}
 
 
-# Stopped mid-epoch (step 1 of 2): the loader resumes inside the epoch and rolls over into the next one after
-# the restart; the loader's own tests cover a stop exactly at an epoch's end.
-@pytest.mark.parametrize("stop_after", [1], ids=["mid-epoch"])
+# Stopped mid-epoch (after step 1 of the epoch's 3): the loader resumes inside the epoch and rolls over into
+# the next one after the restart. Stopped at an epoch's end (after step 3): the restart must begin the next
+# epoch, with its own shuffle, not replay the finished one or skip a batch of the next.
+@pytest.mark.parametrize("stop_after", [1, 3], ids=["mid-epoch", "end-of-epoch"])
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, assets, tmp_path, uninterrupted,
                                                                  stop_after):
     first = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={stop_after}", f"trainer.save_freq={stop_after}")

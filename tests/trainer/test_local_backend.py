@@ -12,7 +12,6 @@ import sys
 
 from tests.conftest import REPO_ROOT
 
-VAL_KEY = "val-core/hflow/arithmetic/reward/mean@1"
 
 # Put first on sys.path as `sitecustomize`: every import of ray or vllm (or a submodule) raises, while
 # `importlib.util.find_spec` still answers, as it would for a broken install.

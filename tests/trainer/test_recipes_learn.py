@@ -11,8 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
+from tests.trainer.learning import assert_learned, validation_curve
 
-VAL_KEY = "val-core/hflow/arithmetic/reward/mean@1"
 STEPS = 5
 
 
@@ -26,9 +26,7 @@ def test_builtin_task_learns_with_remove_padding_dynamic_sampling_and_rollout_co
             f"trainer.total_training_steps={STEPS}", f"trainer.test_freq={STEPS}", f"trainer.save_freq={STEPS}"])
     run_ppo(config)
     records = [json.loads(line) for line in open(tmp_path / "logs" / "hflow" / "default" / "metrics.jsonl")]
-    scores = [r[VAL_KEY] for r in records if VAL_KEY in r]
-    assert scores[0] <= 0.2, scores
-    assert scores[-1] >= 0.8, scores
+    assert_learned(validation_curve(records))
 
     # dynamic sampling: every step says how many generation batches it used, and the checkpoint's loader
     # resumes after the last batch drawn, however many each step drew
