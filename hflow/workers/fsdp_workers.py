@@ -26,6 +26,7 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
+from hflow.workers.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -164,8 +165,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             self.hf_config = module.config
             self.generation_config = module.generation_config
             if self._ref_in_actor:  # adapters before sharding, so FSDP2 shards them with their layers
-                module = fsdp_utils.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha,
-                                               model_cfg.target_modules)
+                module = add_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,

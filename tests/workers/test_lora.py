@@ -92,6 +92,76 @@ def test_optimizer_holds_only_the_adapters(worker):
     assert not hasattr(worker, "ref_module")  # the reference is the actor's base model, not a second copy
 
 
+def test_frozen_weights_get_no_gradient_and_no_optimizer_state(worker):
+    """After an update only the adapters hold gradients and AdamW moments: a full-size gradient or optimizer
+    state of a frozen weight is what would make LoRA's memory no smaller than full fine-tuning's."""
+    train_one_step(worker)
+    named = dict(worker.actor_module.named_parameters())
+    lora = {n for n in named if ".lora_A." in n or ".lora_B." in n}
+    with_state = {id(p) for p, state in worker.actor_optimizer.state.items() if state}
+    assert with_state == {id(named[n]) for n in lora}
+    # update_actor zeroes gradients before each mini-batch; the last one's stay: adapters only
+    assert {n for n, p in named.items() if p.grad is not None} <= lora
+
+
+def test_actor_lora_linears_add_in_place(worker):
+    from peft.tuners.lora import layer as lora_layer
+
+    from hflow.workers.lora import _fast_class
+
+    linears = [m for m in worker.actor_module.modules() if isinstance(m, lora_layer.Linear)]
+    assert linears and all(type(m) is _fast_class(lora_layer.Linear) for m in linears)
+
+
+def test_in_place_lora_forward_allocates_no_output_sized_temporaries(model_path):
+    """The cause of LoRA's higher peak RSS (bench/results/lora_memory.md): PEFT's forward makes three extra
+    tensors of the output's size per wrapped linear. hflow's makes none, with PEFT's outputs and gradients."""
+    from peft.tuners.lora import layer as lora_layer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hflow.workers.lora import add_lora
+
+    torch.manual_seed(0)
+    model = add_lora(fsdp_utils.load_causal_lm(model_path), RANK, ALPHA)
+    layer = next(m for m in model.modules() if isinstance(m, lora_layer.Linear))
+    with torch.no_grad():
+        for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
+            p.normal_(std=0.1)
+    x = torch.randn(3, 5, layer.in_features, requires_grad=True)
+    out_numel = 3 * 5 * layer.out_features
+
+    class OutputSized(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            outputs = result if isinstance(result, (tuple, list)) else (result,)
+            # new storage of the output's size (views and in-place results share their input's)
+            fresh = [t for t in outputs if isinstance(t, torch.Tensor) and t.numel() == out_numel
+                     and not func._schema.is_mutable and not func.is_view]
+            OutputSized.count += len(fresh)
+            return result
+
+    def run(forward):
+        OutputSized.count = 0
+        with OutputSized():
+            out = forward(x)
+        allocated = OutputSized.count
+        grads = torch.autograd.grad(out.square().sum(), [x, layer.lora_A["default"].weight,
+                                                          layer.lora_B["default"].weight])
+        return out.detach(), grads, allocated
+
+    fast_out, fast_grads, fast_allocated = run(layer)
+    peft_out, peft_grads, peft_allocated = run(lambda t: lora_layer.Linear.forward(layer, t))
+    assert fast_allocated == 1  # the base layer's output, which the adapter is added into
+    assert peft_allocated >= 3  # the measured cause: B's output, its scaled copy, the sum
+    torch.testing.assert_close(fast_out, peft_out, atol=1e-6, rtol=1e-5)
+    for fast, peft in zip(fast_grads, peft_grads):
+        torch.testing.assert_close(fast, peft, atol=1e-6, rtol=1e-5)
+    with model.disable_adapter():  # the reference pass: the base layer alone
+        torch.testing.assert_close(layer(x), layer.base_layer(x), atol=0, rtol=0)
+
+
 def test_merged_weights_are_peft_merge_and_unload_under_the_base_names(model_path, world_of_one):
     def lora_model():
         torch.manual_seed(0)
