@@ -30,7 +30,11 @@ cd "$ROOT"
 bash scripts/setup.sh >/dev/null
 PY="${HFLOW_VENV:-$ROOT/.venv}/bin/python"
 DATA="$("$PY" -c 'from hflow.tasks.rlhf_task import ensure_rlhf_task_data as d; print(d().root)')"
-COMMON=(trainer.n_gpus_per_node=2 trainer.logger=[console,jsonl] trainer.seed="$SEED")
+# RLHF_PLACEMENT_ARGS replaces the two Ray workers (e.g. "trainer.backend=local trainer.n_gpus_per_node=1",
+# one process, as the test suite runs it); RLHF_PPO_ARGS adds keys to the PPO stage (e.g. rollout.name=hf).
+read -r -a PLACEMENT <<<"${RLHF_PLACEMENT_ARGS:-trainer.n_gpus_per_node=2}"
+read -r -a PPO_EXTRA <<<"${RLHF_PPO_ARGS:-}"
+COMMON=("${PLACEMENT[@]}" trainer.logger=[console,jsonl] trainer.seed="$SEED")
 STARTED=$SECONDS
 
 echo "== 1/3 SFT"
@@ -56,7 +60,8 @@ echo "== 3/3 PPO against the reward model"
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.optim.lr=2e-4 critic.optim.lr=1e-3 \
   actor_rollout_ref.actor.checkpoint.contents=[hf_model] trainer.save_freq="$PPO_STEPS" \
   trainer.total_training_steps="$PPO_STEPS" trainer.test_freq=5 \
-  trainer.default_local_dir="$OUT/ppo" trainer.log_dir="$OUT/logs/ppo" trainer.resume_mode=disable
+  trainer.default_local_dir="$OUT/ppo" trainer.log_dir="$OUT/logs/ppo" trainer.resume_mode=disable \
+  "${PPO_EXTRA[@]}"
 
 echo "== summary"
 "$PY" examples/rlhf_pipeline/summarize.py "$OUT" --ppo-policy "$OUT/ppo/global_step_$PPO_STEPS/actor/huggingface" \

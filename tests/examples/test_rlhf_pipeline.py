@@ -1,5 +1,6 @@
 """examples/rlhf_pipeline/run.sh end to end on short settings (SFT 6 epochs, reward model 1 epoch, PPO 4
-steps; about 2.5 minutes on 2 CPU cores, most of it starting Ray and vLLM three times).
+steps), each stage in one process (`trainer.backend=local`, HF generation), so the suite does not start Ray
+and vLLM three times; the README's run uses two Ray workers and vLLM.
 
 What it checks, and the hand-made break each check caught:
 * summary.json reports, before and after PPO, the exact-correct rate, the house-style share, the hidden
@@ -30,7 +31,10 @@ MEASURES = ("exact_correct", "house_style", "true_score", "rm_score")
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("rlhf_pipeline")
-    env = {**os.environ, "RLHF_SFT_EPOCHS": "6", "RLHF_RM_EPOCHS": "1", "RLHF_PPO_STEPS": "4"}
+    env = {**os.environ, "RLHF_SFT_EPOCHS": "6", "RLHF_RM_EPOCHS": "1", "RLHF_PPO_STEPS": "4",
+           # one process per stage, HF generation: the same trainers without starting Ray and vLLM three times
+           "RLHF_PLACEMENT_ARGS": "trainer.backend=local trainer.n_gpus_per_node=1",
+           "RLHF_PPO_ARGS": "actor_rollout_ref.rollout.name=hf"}
     run = subprocess.run(["bash", str(ROOT / "examples/rlhf_pipeline/run.sh"), str(out), "1"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -143,6 +143,23 @@ def max_logprob_gap(batch):
     return (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask].max().item()
 
 
+@pytest.mark.parametrize("overrides,named", [
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "ppo_micro_batch_size_per_gpu"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
+    (["actor_rollout_ref.model.path=/nonexistent"], "actor_rollout_ref.model.path"),
+])
+# First in the file: its group needs the same slots that the module's `groups` fixture holds until the end.
+def test_impossible_settings_fail_at_init_model_naming_the_key(ray_session, model_path, overrides, named):
+    config = make_config(model_path, *overrides)
+    group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), RayClassWithInitArgs(
+        ActorRolloutRefWorker, config=config.actor_rollout_ref, role="actor_rollout"))
+    try:
+        with pytest.raises(WorkerGroupError, match=named):
+            group.init_model()
+    finally:
+        group.shutdown()
+
+
 def test_only_rank_zero_reads_the_weights_from_disk(groups):
     """Actor, reference and critic each read the checkpoint once, on rank 0; rank 1 builds its modules on
     the meta device and receives its shards from rank 0 (no host memory for a full model per rank)."""
@@ -253,19 +270,3 @@ def test_hf_export_generates_the_same_greedy_tokens(groups, tmp_path):
                                   pad_token_id=model.generation_config.pad_token_id)[0, ids.shape[1]:]
         got = out.batch["responses"][i][: len(expected)]
         assert got.tolist() == expected.tolist(), i
-
-
-@pytest.mark.parametrize("overrides,named", [
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "ppo_micro_batch_size_per_gpu"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
-    (["actor_rollout_ref.model.path=/nonexistent"], "actor_rollout_ref.model.path"),
-])
-def test_impossible_settings_fail_at_init_model_naming_the_key(ray_session, model_path, overrides, named):
-    config = make_config(model_path, *overrides)
-    group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), RayClassWithInitArgs(
-        ActorRolloutRefWorker, config=config.actor_rollout_ref, role="actor_rollout"))
-    try:
-        with pytest.raises(WorkerGroupError, match=named):
-            group.init_model()
-    finally:
-        group.shutdown()

@@ -49,6 +49,7 @@ def rollout_config(**overrides) -> DictConfig:
         "dtype": "float32",
         "enforce_eager": True,
         "kv_cache_memory_bytes": 64 * 2**20,
+        "gpu_memory_utilization": 0.5,  # null resolves in the worker (normalize_actor_rollout_ref), not here
     }
     for key, value in {**settings, **overrides}.items():
         OmegaConf.update(config, key, value, merge=True)
