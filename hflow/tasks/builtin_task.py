@@ -49,6 +49,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hflow.utils.cache import default_cache_root
+
 __all__ = [
     "ABILITY",
     "DATA_SOURCE",
@@ -72,7 +74,6 @@ VERSION = "1"
 DATA_SOURCE = "hflow/arithmetic"
 ABILITY = "arithmetic"
 
-CACHE_ENV = "HFLOW_CACHE"
 MARKER_NAME = "COMPLETE"
 INFO_NAME = "builtin_info.json"
 _SPLIT_SALT = "hflow-builtin-arithmetic"
@@ -456,14 +457,6 @@ def _build_model(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) ->
 
 
 # ---------------------------------------------------------------------------------------- cache
-
-
-def default_cache_root() -> Path:
-    """``$HFLOW_CACHE``, else ``$XDG_CACHE_HOME/hflow``, else ``~/.cache/hflow``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "hflow"
 
 
 def _folder_name(spec: BuiltinSpec) -> str:

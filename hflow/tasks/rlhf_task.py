@@ -44,7 +44,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hflow.tasks.builtin_task import Problem, builtin_problems, default_cache_root, split_problems
+from hflow.tasks.builtin_task import Problem, builtin_problems, split_problems
+from hflow.utils.cache import default_cache_root
 from hflow.utils.reward_score import answer_style
 
 __all__ = ["DATA_SOURCE", "PAIR_KINDS", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
