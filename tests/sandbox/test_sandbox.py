@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,16 @@ def test_sys_path_holds_the_stdlib_only():
 # ---- limits --------------------------------------------------------------------------------------
 
 
+def test_rlimits_are_set_in_the_code_process(caps):
+    limits = SandboxLimits(cpu_time_s=1.5, memory_mb=300, max_file_bytes=12345, max_processes=5)
+    names = ["CPU", "AS", "FSIZE", "CORE", "NPROC"]
+    result = run(f"import resource as r\nfor n in {names}:\n    print(*r.getrlimit(getattr(r, 'RLIMIT_' + n)))", limits)
+    cpu, memory, file_size, core, nproc = result.stdout.splitlines()
+    assert (cpu, memory, file_size, core) == ("2 3", f"{300 * 2**20} {300 * 2**20}", "12345 12345", "0 0")
+    if caps["nproc_rlimit"] == "per_sandbox":
+        assert nproc == "7 7"  # the code's 5, plus the launcher and init, which share the namespace's count
+
+
 def test_infinite_loop_is_stopped_by_cpu_time():
     limits = SandboxLimits(cpu_time_s=1, wall_time_s=8, memory_mb=256)
     result = run("while True: pass", limits)
@@ -248,12 +259,14 @@ def test_processes_within_the_limit_work():
 # ---- isolation -----------------------------------------------------------------------------------
 
 
-def test_writes_outside_the_work_dir_fail(caps, tmp_path):
-    target = tmp_path / "existing.txt"
+def test_writes_outside_the_work_dir_fail(caps, own_tmpdir, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")  # not under the work dir's parent
+    target = outside / "existing.txt"
     target.write_text("original")
+    elsewhere = Path("/tmp") / f"hflow-escape-{uuid.uuid4().hex}.txt"
+    paths = [str(target), str(outside / "new.txt"), "../escape.txt", str(elsewhere)]
     code = f"""
-        import os
-        for path in [{str(target)!r}, {str(tmp_path / "new.txt")!r}, "../escape.txt", "/tmp/hflow-escape.txt"]:
+        for path in {paths!r}:
             try:
                 with open(path, "w") as f:
                     f.write("escaped")
@@ -261,13 +274,16 @@ def test_writes_outside_the_work_dir_fail(caps, tmp_path):
             except OSError as err:
                 print("refused", path, err.errno)
         """
-    result = run(code)
-    assert result.status == "ok"
-    if not caps["filesystem_readonly"]:
-        pytest.skip("no mount namespace here: a same-uid process can write where the uid can (documented)")
-    assert "wrote" not in result.stdout and result.stdout.count("refused") == 4
-    assert target.read_text() == "original" and not (tmp_path / "new.txt").exists()
-    assert not os.path.exists("/tmp/hflow-escape.txt")
+    try:
+        result = run(code)
+        assert result.status == "ok"
+        if not caps["filesystem_readonly"]:
+            pytest.skip("no mount namespace here: a same-uid process can write where the uid can (documented)")
+        assert "wrote" not in result.stdout and result.stdout.count("refused") == 4
+        assert target.read_text() == "original" and not (outside / "new.txt").exists()
+        assert not (own_tmpdir / "escape.txt").exists() and not elsewhere.exists()
+    finally:
+        elsewhere.unlink(missing_ok=True)
 
 
 def test_parent_environment_is_out_of_reach(caps, monkeypatch):
