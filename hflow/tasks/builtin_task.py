@@ -45,9 +45,10 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hflow.utils.cache import default_cache_root
 
@@ -64,6 +65,7 @@ __all__ = [
     "builtin_problems",
     "default_cache_root",
     "ensure_builtin_assets",
+    "ensure_cached_folder",
     "split_problems",
 ]
 
@@ -169,22 +171,25 @@ def split_problems(problems: list[Problem], num_val_per_op: int) -> tuple[list[P
 
 def _rows(problems: list[Problem], split: str) -> list[dict]:
     return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": p.question}],
-            "ability": ABILITY,
-            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-            "extra_info": {
-                "split": split,
-                "index": i,
-                "a": p.a,
-                "op": p.op,
-                "b": p.b,
-                "answer": p.answer,
-            },
-        }
+        _task_row(
+            DATA_SOURCE,
+            p.question,
+            p.answer,
+            {"split": split, "index": i, "a": p.a, "op": p.op, "b": p.b, "answer": p.answer},
+        )
         for i, p in enumerate(problems)
     ]
+
+
+def _task_row(data_source: str, question: str, answer: int, extra_info: dict) -> dict:
+    """One row of the hflow data contract: the question as the one user message, scored by the answer."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": extra_info,
+    }
 
 
 def _write_parquet(rows: list[dict], path: Path) -> None:
@@ -374,10 +379,7 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
 
     Prefer `ensure_builtin_assets`, which adds the cache, the lock and the atomic rename.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; build_builtin_assets writes into a new folder")
+    out = _new_folder(out_dir, "build_builtin_assets")
     t0 = time.perf_counter()
 
     problems = builtin_problems()
@@ -388,47 +390,12 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
 
     model_dir = out / "model"
     with _quiet_transformers():
-        if _can_pin_one_thread():
-            _build_model(model_dir, problems, spec)
-        else:  # this process cannot pin torch to one thread: train in a fresh interpreter instead
-            cmd = [
-                sys.executable,
-                "-m",
-                "hflow.tasks.builtin_task",
-                "--_build-model",
-                str(model_dir),
-                json.dumps(asdict(spec)),
-            ]
-            package_root = str(Path(__file__).resolve().parents[2])  # so that `-m hflow...` imports this hflow
-            path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-            subprocess.run(
-                cmd,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-            )
-        stats = json.loads((model_dir / "pretrain_stats.json").read_text())
-        (model_dir / "pretrain_stats.json").unlink()
+        stats = _pretrained_model(lambda: _build_model(model_dir, problems, spec), __name__, model_dir, spec)
         with _deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
             base_model = _base_model_report(model_dir, train, val)
 
-    info = {
-        "version": VERSION,
-        "spec": asdict(spec),
-        "spec_digest": spec.digest(),
-        "data_source": DATA_SOURCE,
-        "num_train": len(train),
-        "num_val": len(val),
-        "pretrain": stats,
-        "base_model": base_model,
-        "sha256": {
-            str(p.relative_to(out)): _sha256(p)
-            for p in sorted([*(out / "data").iterdir(), *model_dir.iterdir()])
-            if p.is_file()
-        },
-    }
-    (out / INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
-    # Written last: its presence (with the matching content) is what makes the folder usable.
-    (out / MARKER_NAME).write_text(_marker_text(spec))
+    info = {"version": VERSION, "spec": asdict(spec), "spec_digest": spec.digest(), "data_source": DATA_SOURCE}
+    _finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
     logger.info(
         "built-in assets built in %.1f s: %s",
         time.perf_counter() - t0,
@@ -437,22 +404,66 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
     return _assets(out)
 
 
+def _new_folder(out_dir: str | Path, builder: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; {builder} writes into a new folder")
+    return out
+
+
+def _finish_folder(
+    out: Path, info_name: str, marker_text: str, info: dict, sizes: tuple[int, int], stats: dict, base_model: dict
+) -> None:
+    """Write the info file (`info`, the (train, val) `sizes`, the pre-training `stats`, the `base_model`
+    report and the SHA-256 of every file in `out`), then the completion marker."""
+    info = {
+        **info,
+        "num_train": sizes[0],
+        "num_val": sizes[1],
+        "pretrain": stats,
+        "base_model": base_model,
+        "sha256": {str(p.relative_to(out)): _sha256(p) for p in sorted(out.rglob("*")) if p.is_file()},
+    }
+    (out / info_name).write_text(json.dumps(info, indent=2) + "\n")
+    # Written last: its presence (with the matching content) is what makes the folder usable.
+    (out / MARKER_NAME).write_text(marker_text)
+
+
+def _pretrained_model(build: Callable[[], None], module: str, model_dir: Path, spec: Any) -> dict:
+    """Run `build()` (which writes the model and its pretrain_stats.json) here when torch can be pinned
+    to one thread, else in a fresh interpreter as ``python -m <module> --_build-model <model_dir> <spec
+    as JSON>`` (the module's `_main` handles it). Returns the statistics (their file is removed)."""
+    if _can_pin_one_thread():
+        build()
+    else:
+        cmd = [sys.executable, "-m", module, "--_build-model", str(model_dir), json.dumps(asdict(spec))]
+        package_root = str(Path(__file__).resolve().parents[2])  # so that `-m hflow...` imports this hflow
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+    stats_file = model_dir / "pretrain_stats.json"
+    stats = json.loads(stats_file.read_text())
+    stats_file.unlink()
+    return stats
+
+
 def _build_model(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> None:
+    shape = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
+    shape = {k: getattr(spec, k) for k in shape}
+    _init_and_pretrain(model_dir, spec.seed, shape, lambda: _pretrain(model_dir, problems, spec))
+
+
+def _init_and_pretrain(
+    model_dir: Path, seed: int, shape: dict, pretrain: Callable[[], dict], **build_kwargs: Any
+) -> None:
+    """A random tiny Qwen2 of `shape` (`build_causal_lm`'s shape arguments, `build_kwargs` its others)
+    in `model_dir`, then `pretrain()` on it, seeded and single-threaded; its statistics go to
+    pretrain_stats.json."""
     from hflow.tasks.tiny_models import build_causal_lm
 
-    with _deterministic_torch(spec.seed):
-        build_causal_lm(
-            model_dir,
-            preset="tiny",
-            arch="qwen2",
-            seed=spec.seed,
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            intermediate_size=spec.intermediate_size,
-        )
-        stats = _pretrain(model_dir, problems, spec)
+    with _deterministic_torch(seed):
+        build_causal_lm(model_dir, preset="tiny", arch="qwen2", seed=seed, **build_kwargs, **shape)
+        stats = pretrain()
     (model_dir / "pretrain_stats.json").write_text(json.dumps(stats))
 
 
@@ -478,20 +489,19 @@ def _assets(folder: Path) -> BuiltinAssets:
 
 
 def _is_complete(folder: Path, spec: BuiltinSpec) -> bool:
+    a = _assets(folder)
+    return _has_marker(folder, _marker_text(spec), [a.train_file, a.val_file, a.info_file])
+
+
+def _has_marker(folder: Path, marker_text: str, files: Sequence[str]) -> bool:
+    """`folder`'s completion marker reads `marker_text`, and `files` and the model's weights exist."""
     try:
-        if (folder / MARKER_NAME).read_text() != _marker_text(spec):
+        if (folder / MARKER_NAME).read_text() != marker_text:
             return False
     except OSError:
         return False
-    a = _assets(folder)
-    needed = [
-        a.train_file,
-        a.val_file,
-        a.info_file,
-        f"{a.model_path}/config.json",
-        f"{a.model_path}/model.safetensors",
-    ]
-    return all(os.path.isfile(p) for p in needed)
+    model = folder / "model"
+    return all(os.path.isfile(p) for p in [*files, model / "config.json", model / "model.safetensors"])
 
 
 @contextlib.contextmanager
@@ -535,23 +545,43 @@ def ensure_builtin_assets(cache_dir: str | Path | None = None, *, spec: BuiltinS
     ``builtin-v<VERSION>`` folder (``builtin-v<VERSION>-<spec digest>`` for a non-default `spec`).
     A folder without a matching completion marker is rebuilt, never used.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    final = root / _folder_name(spec)
-    if _is_complete(final, spec):
-        return _assets(final)
+    folder = ensure_cached_folder(
+        cache_dir,
+        _folder_name(spec),
+        lambda folder: _is_complete(folder, spec),
+        lambda tmp: build_builtin_assets(tmp, spec),
+        "the built-in arithmetic task and model (once; about a minute on 2 CPU cores)",
+    )
+    return _assets(folder)
 
+
+def ensure_cached_folder(
+    cache_dir: str | Path | None,
+    name: str,
+    is_complete: Callable[[Path], bool],
+    build: Callable[[Path], object],
+    what: str,
+) -> Path:
+    """The folder `name` in the cache root `cache_dir` (default `default_cache_root()`), built with
+    `build(tmp)` unless it is complete already (`is_complete`).
+
+    The build goes into a temporary folder beside it and is renamed into place, under a file lock in
+    the cache root, so a crashed or concurrent build never leaves a half-written folder that is used;
+    an incomplete or outdated folder is replaced. `what` names the build in the log.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    final = root / name
+    if is_complete(final):
+        return final
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{final.name}.lock"):
-        if _is_complete(final, spec):  # another process built it while we waited for the lock
-            return _assets(final)
-        logger.warning(
-            "hflow: generating the built-in arithmetic task and model into %s (once; about a minute on 2 CPU cores)",
-            final,
-        )
+        if is_complete(final):  # another process built it while we waited for the lock
+            return final
+        logger.warning("hflow: generating %s into %s", what, final)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
-            build_builtin_assets(tmp, spec)
+            build(tmp)
             _make_readable(tmp)
             if final.exists():  # an incomplete or outdated folder: never used, replaced
                 _remove_folder(final)
@@ -559,18 +589,14 @@ def ensure_builtin_assets(cache_dir: str | Path | None = None, *, spec: BuiltinS
                 os.rename(tmp, final)
             except OSError:
                 # Only without a lock (no fcntl) can another builder have won the race: use its folder.
-                if not _is_complete(final, spec):
+                if not is_complete(final):
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.warning(
-            "hflow: built-in assets ready in %.0f s: %s",
-            time.perf_counter() - t0,
-            final,
-        )
-    return _assets(final)
+        logger.warning("hflow: built in %.0f s: %s", time.perf_counter() - t0, final)
+    return final
 
 
 def _main(argv: list[str]) -> int:

@@ -12,11 +12,13 @@ and `vllm.LLM(model=folder)`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -111,12 +113,22 @@ _PRETOKENIZE_REGEX = (
 
 
 def build_tokenizer(
-    save_dir: str | Path, vocab_size: int = 512, model_max_length: int = 2048
+    save_dir: str | Path,
+    vocab_size: int = 512,
+    model_max_length: int = 2048,
+    *,
+    extra_corpus: Sequence[str] = (),
+    added_tokens: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on the built-in corpus and save it (with its chat template) to `save_dir`.
 
     Byte-level means every string round-trips, whatever the corpus covered. `vocab_size` counts the
     256 byte tokens, the special tokens and the merges. Prompts are padded on the left.
+
+    `extra_corpus` lines are trained on after the built-in ones (text a task wants in few tokens, such
+    as its tool-call markup); `added_tokens` become single, normal (not special) tokens after the
+    merges, like Qwen2.5's ``<tool_call>``: matched before pre-tokenization, kept when special tokens are
+    skipped in decoding. The defaults give the built-in tokenizer, byte for byte.
     """
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
@@ -134,7 +146,9 @@ def build_tokenizer(
         min_frequency=1,
         show_progress=False,
     )
-    bpe.train_from_iterator(_CORPUS, trainer=trainer)
+    bpe.train_from_iterator([*_CORPUS, *extra_corpus], trainer=trainer)
+    if added_tokens:
+        bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=BOS_TOKEN,
@@ -155,16 +169,18 @@ def build_causal_lm(
     *,
     arch: str = "qwen2",
     seed: int = 0,
+    tokenizer_kwargs: Mapping[str, Any] | None = None,
     **shape: int | bool | float,
 ) -> Path:
     """Write a randomly initialised causal LM, its configs and its tokenizer into one HF folder.
 
     `shape` overrides fields of `PRESETS[preset]` (`hidden_size`, `num_layers`, `num_heads`,
     `num_kv_heads`, `intermediate_size`, `max_position_embeddings`, `tie_word_embeddings`,
-    `initializer_range`); the vocabulary size is the tokenizer's. Weights are fp32 safetensors drawn
-    from `seed` without touching the caller's RNG. Returns the folder.
+    `initializer_range`); the vocabulary size is the tokenizer's. `tokenizer_kwargs` go to
+    `build_tokenizer` (`vocab_size`, `extra_corpus`, `added_tokens`). Weights are fp32 safetensors
+    drawn from `seed` without touching the caller's RNG. Returns the folder.
     """
-    return _build(save_dir, AutoModelForCausalLM, preset, arch, seed, shape)
+    return _build(save_dir, AutoModelForCausalLM, preset, arch, seed, shape, tokenizer_kwargs=tokenizer_kwargs)
 
 
 def build_token_classification(
@@ -190,6 +206,7 @@ def _build(
     arch: str,
     seed: int,
     shape: dict[str, int | bool | float],
+    tokenizer_kwargs: Mapping[str, Any] | None = None,
     **config_kwargs: int,
 ) -> Path:
     if arch not in _ARCHITECTURES:
@@ -204,7 +221,7 @@ def _build(
 
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(save_dir, model_max_length=spec.max_position_embeddings)
+    tokenizer = build_tokenizer(save_dir, model_max_length=spec.max_position_embeddings, **(tokenizer_kwargs or {}))
     config = AutoConfig.for_model(
         arch,
         vocab_size=len(tokenizer),
