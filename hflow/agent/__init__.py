@@ -1,0 +1,41 @@
+"""Multi-turn agent rollouts: tool-call parsers, tools, and the loop that runs them.
+
+`hflow.agent.parsers` reads tool calls out of an assistant turn (``hermes`` built in, others
+registered with `register_parser`); `hflow.agent.tools` holds the tool interface, the built-in tools
+(calculator, python) and `run_tool_call`, the one safe way to run a call; `hflow.agent.tool_config`
+loads tools from a YAML file.
+"""
+
+from hflow.agent.parsers import ParsedTurn, ToolCall, ToolCallParser, get_parser, register_parser
+from hflow.agent.tool_config import builtin_tools, load_tools, tool_schemas
+from hflow.agent.tools import (
+    BaseTool,
+    CalculatorTool,
+    FunctionTool,
+    PythonTool,
+    ToolError,
+    ToolOutcome,
+    malformed_outcome,
+    run_tool_call,
+    validate_arguments,
+)
+
+__all__ = [
+    "BaseTool",
+    "CalculatorTool",
+    "FunctionTool",
+    "ParsedTurn",
+    "PythonTool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolError",
+    "ToolOutcome",
+    "builtin_tools",
+    "get_parser",
+    "load_tools",
+    "malformed_outcome",
+    "register_parser",
+    "run_tool_call",
+    "tool_schemas",
+    "validate_arguments",
+]
