@@ -207,6 +207,22 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Agent rollouts: assistant turns and tool results in one episode (`hflow.agent`)."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # None = until the response budget is spent
+    max_user_turns: Optional[int] = None  # tool-result turns; None = no limit
+    max_parallel_calls: int = 1  # tool calls run per assistant turn (more get an error result)
+    max_tool_response_length: Optional[int] = 256  # characters of a tool result the model sees
+    tool_response_truncate_side: str = "middle"  # left | right | middle
+    tool_config_path: Optional[str] = None  # None = the built-in calculator
+    format: str = "hermes"  # tool-call parser (hflow.agent.parsers.register_parser adds others)
+    tool_timeout_s: float = 30.0  # per call; a call past it returns an error result to the model
+    max_concurrent_tools: int = 64  # tool calls running at once per rollout rank
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     n: int = 1  # samples per prompt
@@ -237,6 +253,7 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -44,6 +44,7 @@ __all__ = [
     "malformed_outcome",
     "run_in_thread",
     "run_tool_call",
+    "use_tool_threads",
     "validate_arguments",
 ]
 
@@ -83,12 +84,22 @@ def _function_schema(name: str, description: str, parameter: str, parameter_desc
     }
 
 
-async def run_in_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a thread of the tool pool, awaited without blocking the event loop."""
+def use_tool_threads(count: int) -> None:
+    """Size the pool that sync tools and the sandbox run in (a rollout sets `multi_turn.max_concurrent_tools`):
+    that many blocking calls wait side by side. Calls already running finish in the old pool."""
     global _pool
     with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="hflow-tool")
+        if _pool is not None and _pool._max_workers == count:
+            return
+        old, _pool = _pool, concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="hflow-tool")
+    if old is not None:
+        old.shutdown(wait=False)
+
+
+async def run_in_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a thread of the tool pool, awaited without blocking the event loop."""
+    if _pool is None:
+        use_tool_threads(_POOL_THREADS)
     return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args, **kwargs))
 
 

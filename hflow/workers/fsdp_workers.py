@@ -54,6 +54,7 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
         output = rollout.generate_sequences(prompts)
         output = context.postprocess_data(output)
     output.meta_info["metrics"] = {
+        **output.meta_info.get("metrics", {}),  # the rollout's own (multi-turn: agent/*)
         "timing_s/weight_sync": sync_s,
         "timing_s/generate_worker": time.perf_counter() - started - sync_s,
     }
@@ -243,7 +244,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             from hflow.workers.rollout import HFRollout
             from hflow.workers.sharding_manager import BaseShardingManager
 
-            self.rollout = HFRollout(self.actor_module, rollout_cfg)
+            self.rollout = HFRollout(self.actor_module, rollout_cfg, self.tokenizer)
             self.sharding_manager = BaseShardingManager()
             return
         if not device.is_cuda():

@@ -32,7 +32,7 @@ from hflow.utils.torch_functional import get_response_mask
 __all__ = ["BaseRollout", "SamplingSettings", "assemble_rollout_output", "resolve_sampling"]
 
 # Non-tensor keys generation reads and does not pass on.
-CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids",)
+CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs")
 
 # Value of `rollout_log_probs` past the end of a response. Those positions are masked out
 # everywhere; 0.0 keeps any unmasked sum over a row equal to the response's log-likelihood.
@@ -133,8 +133,11 @@ def assemble_rollout_output(
     responses: torch.Tensor,
     n: int,
     log_probs: torch.Tensor | None = None,
+    response_attention_mask: torch.Tensor | None = None,
 ) -> DataProto:
-    """Build the rollout output (module docstring) from the input batch and the (B·n, L) responses."""
+    """Build the rollout output (module docstring) from the input batch and the (B·n, L) responses.
+    `response_attention_mask` replaces the default (1 up to and including the first EOS) for responses
+    that hold several EOS, such as multi-turn episodes."""
     idx = prompts.batch["input_ids"]
     attention_mask = prompts.batch["attention_mask"]
     position_ids = prompts.batch["position_ids"]
@@ -149,7 +152,10 @@ def assemble_rollout_output(
     # Response positions continue from the last prompt position (also for (B, 3, P) mrope ids).
     steps = torch.arange(1, responses.shape[1] + 1, device=position_ids.device, dtype=position_ids.dtype)
     response_position_ids = position_ids[..., -1:] + steps
-    response_mask = get_response_mask(responses, prompts.meta_info["eos_token_id"], dtype=attention_mask.dtype)
+    if response_attention_mask is None:
+        response_mask = get_response_mask(responses, prompts.meta_info["eos_token_id"], dtype=attention_mask.dtype)
+    else:
+        response_mask = response_attention_mask.to(device=idx.device, dtype=attention_mask.dtype)
 
     tensors = {
         "prompts": idx,

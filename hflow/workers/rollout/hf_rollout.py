@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from hflow.agent.loop import TurnEngine, TurnResult
 from hflow.protocol import DataProto
+from hflow.utils import device
 from hflow.utils.device import empty_cache
 from hflow.utils.torch_functional import get_response_mask, pad_sequence_to_length
 from hflow.workers.rollout.base import (
@@ -25,6 +28,7 @@ from hflow.workers.rollout.base import (
     assemble_rollout_output,
     resolve_sampling,
 )
+from hflow.workers.rollout.multi_turn import MultiTurnRollout
 
 __all__ = ["HFRollout"]
 
@@ -37,11 +41,12 @@ class HFRollout(BaseRollout):
     temperature and top-k/top-p warpers: the same quantity the vLLM rollout reports.
     """
 
-    def __init__(self, module: nn.Module, config: DictConfig) -> None:
+    def __init__(self, module: nn.Module, config: DictConfig, tokenizer: Any = None) -> None:
         self.module = module
         self.config = config
         self.response_length = int(config.response_length)
         self.calculate_log_probs = bool(config.calculate_log_probs)
+        self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -50,29 +55,35 @@ class HFRollout(BaseRollout):
         was_training = self.module.training
         self.module.eval()
         try:
+            if self.multi_turn is not None:
+                engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"], prompts.meta_info["pad_token_id"])
+                return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
+                                                all_done=_all_ranks_done if _synced() else None)
             outputs = [self._generate(chunk, settings) for chunk in prompts.split(micro_batch_size)]
         finally:
             self.module.train(was_training)
-        empty_cache()
+            empty_cache()
         return DataProto.concat(outputs)
+
+    def _sampling_kwargs(self, settings: SamplingSettings, n: int) -> dict[str, Any]:
+        if settings.greedy:
+            return {"do_sample": False}
+        sampling = {
+            "do_sample": True,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": max(settings.top_k, 0),  # HF: 0 means no top-k filter
+            "num_return_sequences": n,
+        }
+        if settings.ignore_eos:
+            sampling["min_new_tokens"] = self.response_length
+        return sampling
 
     def _generate(self, prompts: DataProto, settings: SamplingSettings) -> DataProto:
         input_ids = prompts.batch["input_ids"]
         attention_mask = prompts.batch["attention_mask"]
         eos_token_id = prompts.meta_info["eos_token_id"]
         pad_token_id = prompts.meta_info["pad_token_id"]
-        if settings.greedy:
-            sampling: dict[str, Any] = {"do_sample": False}
-        else:
-            sampling = {
-                "do_sample": True,
-                "temperature": settings.temperature,
-                "top_p": settings.top_p,
-                "top_k": max(settings.top_k, 0),  # HF: 0 means no top-k filter
-                "num_return_sequences": settings.n,
-            }
-            if settings.ignore_eos:
-                sampling["min_new_tokens"] = self.response_length
         out = self.module.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -82,8 +93,8 @@ class HFRollout(BaseRollout):
             use_cache=True,
             return_dict_in_generate=True,
             output_scores=self.calculate_log_probs,
-            synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
-            **sampling,
+            synced_gpus=_synced(),
+            **self._sampling_kwargs(settings, settings.n),
         )
         generated = out.sequences[:, input_ids.shape[1] :]
         responses = pad_sequence_to_length(generated, self.response_length, pad_token_id)
@@ -97,3 +108,75 @@ class HFRollout(BaseRollout):
             log_probs = log_probs.masked_fill(~valid, LOG_PROB_PAD)
             log_probs = pad_sequence_to_length(log_probs, self.response_length, LOG_PROB_PAD)
         return assemble_rollout_output(prompts, responses, settings.n, log_probs)
+
+
+def _synced() -> bool:
+    """Several ranks generate with one FSDP module: every rank must step `generate` together."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_ranks_done(done: bool) -> bool:
+    flag = torch.tensor([0 if done else 1], dtype=torch.long, device=device.get_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+class _WaveEngine(TurnEngine):
+    """Assistant turns through HF `generate`, which cannot take requests while it runs: each `poll` is
+    one wave over every turn queued since the last (left-padded to one width). Across ranks the waves
+    are collective: a rank with no turn of its own runs a one-token placeholder row."""
+
+    streams = False
+
+    def __init__(self, rollout: HFRollout, settings: SamplingSettings, eos_token_id, pad_token_id: int) -> None:
+        self.rollout = rollout
+        self.settings = settings
+        self.eos_ids = [int(t) for t in np.atleast_1d(eos_token_id)]
+        self.pad_token_id = int(pad_token_id)
+        self.queue: list[tuple[int, list[int], int]] = []
+
+    def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+        self.queue.append((key, ids, max_tokens))
+
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def poll(self) -> list[TurnResult]:
+        turns, self.queue = self.queue, []
+        if not turns and not _synced():
+            return []
+        rows = [(ids, max_tokens) for _, ids, max_tokens in turns] or [([self.eos_ids[0]], 1)]
+        width = max(len(ids) for ids, _ in rows)
+        module_device = device.get_device()
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, (ids, _) in enumerate(rows):
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention_mask[i, width - len(ids):] = 1
+        calculate_log_probs = self.rollout.calculate_log_probs
+        out = self.rollout.module.generate(
+            input_ids=input_ids.to(module_device),
+            attention_mask=attention_mask.to(module_device),
+            max_new_tokens=max(max_tokens for _, max_tokens in rows),
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=calculate_log_probs,
+            synced_gpus=_synced(),
+            **self.rollout._sampling_kwargs(self.settings, 1),
+        )
+        generated = out.sequences[:, width:].cpu()
+        log_probs = None
+        if calculate_log_probs:
+            scores = torch.stack(out.scores, dim=1).float()
+            log_probs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device).unsqueeze(-1))
+            log_probs = log_probs.squeeze(-1).cpu()
+        results = []
+        for i, (key, _, max_tokens) in enumerate(turns):
+            tokens = generated[i, :max_tokens].tolist()
+            stops = [j for j, t in enumerate(tokens) if t in self.eos_ids]
+            end = stops[0] + 1 if stops else len(tokens)
+            results.append(TurnResult(key, tokens[:end], log_probs[i, :end].tolist() if log_probs is not None else None,
+                                      stopped=bool(stops)))
+        return results

@@ -17,6 +17,7 @@ would otherwise reuse KV computed with the old weights).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -51,6 +52,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+from hflow.agent.loop import TurnEngine, TurnResult  # noqa: E402
+from hflow.workers.rollout.multi_turn import MultiTurnRollout  # noqa: E402
 
 __all__ = ["vLLMRollout"]
 
@@ -67,8 +72,8 @@ class vLLMRollout(BaseRollout):
 
     `model_hf_config` is the HF config of the policy (for the context-length check); `device_mesh`,
     when given, is the rollout mesh `("dp", "infer_tp")` and must agree with
-    `config.tensor_model_parallel_size`. `tokenizer` is accepted for a constructor shared with other
-    engines; vLLM loads its own from `model_path`, and prompts arrive as token ids.
+    `config.tensor_model_parallel_size`. `tokenizer` is the policy's: vLLM loads its own from
+    `model_path` and prompts arrive as token ids; multi-turn rollouts use it for the tool messages.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class vLLMRollout(BaseRollout):
         with _preserve_host_state():
             self.llm = LLM(**engine_kwargs)
         self.init_s = time.perf_counter() - started
+        self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
         backend = engine_kwargs["distributed_executor_backend"] or "in-process"
         logger.info("vLLM engine ready in %.1fs (%s)", self.init_s, backend)
         if self.calculate_log_probs and (int(config.top_k) > 0 or float(config.top_p) < 1):
@@ -181,6 +187,11 @@ class vLLMRollout(BaseRollout):
         settings = resolve_sampling(self.config, prompts.meta_info)
         eos_token_id = prompts.meta_info["eos_token_id"]
         pad_token_id = prompts.meta_info["pad_token_id"]
+        if self.multi_turn is not None:
+            params = self._sampling_params(dataclasses.replace(settings, n=1), eos_token_id)
+            engine = _StreamingEngine(self.llm, params, self.calculate_log_probs)
+            return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
+                                            agree=_tensor_parallel_agreement(self.llm))
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids(prompts)]
         outputs = self.llm.generate(requests, self._sampling_params(settings, eos_token_id), use_tqdm=False)
 
@@ -255,6 +266,63 @@ class vLLMRollout(BaseRollout):
         """Shut the in-process engine down now (once): its tensor-parallel groups are subgroups of the
         worker's process group and cannot be destroyed after it, as vLLM would do at exit."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+class _StreamingEngine(TurnEngine):
+    """Assistant turns as requests of the running engine: a turn added between two scheduler steps joins
+    the batch at the next one (continuous batching), and the prefix cache holds its history's KV."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, calculate_log_probs: bool) -> None:
+        self.engine = llm.llm_engine
+        self.params = params
+        self.calculate_log_probs = calculate_log_probs
+        self.keys: dict[str, int] = {}  # request id -> episode
+        self.count = 0
+
+    def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+        params = self.params.clone()
+        params.max_tokens = max_tokens
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it finishes
+        request_id = f"turn-{self.count}"
+        self.count += 1
+        self.keys[request_id] = key
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+
+    def busy(self) -> bool:
+        return bool(self.keys)
+
+    def poll(self) -> list[TurnResult]:
+        if not self.keys:
+            return []
+        results = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            log_probs = None
+            if self.calculate_log_probs:
+                log_probs = [position[t].logprob for position, t in zip(sample.logprobs, tokens)]
+            results.append(TurnResult(self.keys.pop(output.request_id), tokens, log_probs,
+                                      stopped=sample.finish_reason == "stop"))
+        return results
+
+
+def _tensor_parallel_agreement(llm: LLM):
+    """For an engine shared by a tensor-parallel group: every rank must add the same turns at the same
+    step, so only the group's first rank runs tools, and its results reach the others at each step."""
+    if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    is_leader = group.rank_in_group == 0
+
+    def agree(arrivals: list) -> list:
+        return group.broadcast_object(arrivals if is_leader else None, src=0)
+
+    agree.is_leader = is_leader
+    return agree
 
 
 def _remove_stale_cpu_shared_memory() -> None:

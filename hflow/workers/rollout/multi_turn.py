@@ -1,0 +1,92 @@
+"""Multi-turn generation for either engine: the agent loop of `hflow.agent` and its rollout output.
+
+With `rollout.multi_turn.enable`, `generate_sequences` runs one episode per sample (prompt-major, n per
+prompt) instead of one response, and the output keeps the rollout contract of
+`hflow.workers.rollout.base` with these differences:
+
+    responses          the whole episode after the prompt: sampled turns and tool messages, right-padded
+    attention_mask     1 over the whole episode (not only up to the first EOS: each turn ends with one)
+    response_mask      (B·n, L) 1 on sampled tokens, 0 on tool tokens and padding: no loss, entropy, KL
+                       or advantage reaches a tool token
+    rollout_log_probs  sampler log-probs on sampled tokens, 0.0 elsewhere
+    episode            (non-tensor) the episode: messages, tool calls with results, turns, how it ended
+
+and `meta_info["metrics"]` carries the `agent/*` metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from hflow.agent.loop import AgentLoop, Episode, MultiTurnSettings, TurnEngine, agent_metrics
+from hflow.agent.parsers import get_parser
+from hflow.agent.tool_config import builtin_tools, load_tools, tool_schemas
+from hflow.protocol import DataProto
+from hflow.utils.torch_functional import pad_2d_list_to_length
+from hflow.workers.rollout.base import SamplingSettings, assemble_rollout_output, pad_log_probs, prompt_token_ids
+
+__all__ = ["MultiTurnRollout", "load_rollout_tools"]
+
+
+def load_rollout_tools(multi_turn: Any) -> dict:
+    """The tools of `rollout.multi_turn`: `tool_config_path`'s, or the built-in calculator when unset."""
+    return load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else builtin_tools(["calculator"])
+
+
+class MultiTurnRollout:
+    """The agent loop for one rollout engine: built from `rollout.multi_turn`, run by `generate`."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        multi_turn = config.multi_turn
+        self.tokenizer = tokenizer
+        self.response_length = int(config.response_length)
+        tools = load_rollout_tools(multi_turn)
+        self.loop = AgentLoop(tokenizer, MultiTurnSettings.from_config(multi_turn), tools,
+                              get_parser(str(multi_turn.format)), self.response_length, tool_schemas(tools))
+
+    def generate(
+        self,
+        prompts: DataProto,
+        settings: SamplingSettings,
+        engine: TurnEngine,
+        calculate_log_probs: bool,
+        agree: Callable[[list], list] | None = None,
+        all_done: Callable[[bool], bool] | None = None,
+    ) -> DataProto:
+        """`settings.n` episodes per prompt on `engine` (which samples one turn per request)."""
+        n = settings.n
+        ids = [row for row in prompt_token_ids(prompts) for _ in range(n)]
+        kwargs = prompts.non_tensor_batch.get("tools_kwargs")
+        tools_kwargs = [_as_dict(k) for k in kwargs for _ in range(n)] if kwargs is not None else None
+        eos = prompts.meta_info["eos_token_id"]
+        started = time.perf_counter()
+        episodes = self.loop.run(engine, ids, eos_token_ids=[int(t) for t in np.atleast_1d(eos)],
+                                 tools_kwargs=tools_kwargs, agree=agree, all_done=all_done)
+        output = self._assemble(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs)
+        output.meta_info["metrics"] = agent_metrics(episodes, time.perf_counter() - started)
+        return output
+
+    def _assemble(self, prompts: DataProto, episodes: list[Episode], n: int, pad_token_id: int,
+                  calculate_log_probs: bool) -> DataProto:
+        width = self.response_length
+        responses = pad_2d_list_to_length([e.response_ids for e in episodes], pad_token_id, max_length=width)
+        lengths = torch.tensor([len(e.response_ids) for e in episodes])
+        attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        log_probs = pad_log_probs([e.log_probs for e in episodes], width) if calculate_log_probs else None
+        output = assemble_rollout_output(prompts, responses, n, log_probs, response_attention_mask=attention)
+        output.batch["response_mask"] = pad_2d_list_to_length([e.loss_mask for e in episodes], 0, max_length=width)
+        output.non_tensor_batch["episode"] = np.array([e.summary() for e in episodes], dtype=object)
+        return output
+
+
+def _as_dict(value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"extra_info.tools_kwargs must be a mapping of tool name -> kwargs, got {type(value).__name__}")
+    return value
