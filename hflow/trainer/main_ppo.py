@@ -40,22 +40,36 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
     shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
     command line (`user_keys`), nor a value that differs from the shipped default.
+
+    With `actor_rollout_ref.rollout.multi_turn.enable`, the built-in task is the agentic one
+    (`hflow.tasks.agent_task`: multiplications, a model that calls the calculator only sometimes) and its
+    settings are `config/builtin_agent_task.yaml`.
     """
     from hflow.tasks.builtin_task import ensure_builtin_assets
 
+    if config.actor_rollout_ref.rollout.multi_turn.enable:
+        from hflow.tasks.agent_task import ensure_agent_assets
+
+        ensure_assets, settings_yaml = ensure_agent_assets, "builtin_agent_task.yaml"
+    else:
+        ensure_assets, settings_yaml = ensure_builtin_assets, "builtin_task.yaml"
+
     def files() -> tuple[str, str]:
-        assets = ensure_builtin_assets()
+        assets = ensure_assets()
         return str(assets.train_file), str(assets.val_file)
 
-    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, "builtin_task.yaml", default_config(), user_keys)
+    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, settings_yaml, default_config(), user_keys,
+                       model_path=lambda: ensure_assets().model_path)
 
 
 def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_yaml: str, shipped: DictConfig,
-                       user_keys: frozenset[str]) -> None:
-    """The built-in model at `model_key` and the built-in `data_files()` (train, val) where unset; with
-    both, `apply_builtin_settings(settings_yaml)`. Shared by every stage's entry point."""
+                       user_keys: frozenset[str], model_path=None) -> None:
+    """The built-in model at `model_key` (`model_path()`, default the arithmetic task's) and the built-in
+    `data_files()` (train, val) where unset; with both, `apply_builtin_settings(settings_yaml)`. Shared by
+    every stage's entry point."""
     from hflow.tasks.builtin_task import ensure_builtin_assets
 
+    model_path = model_path or (lambda: ensure_builtin_assets().model_path)
     needs_model = OmegaConf.select(config, model_key) is None
     needs_data = config.data.train_files is None or config.data.val_files is None
     if not (needs_model or needs_data):
@@ -63,7 +77,7 @@ def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_
     train_file, val_file = data_files()
     with open_dict(config):
         if needs_model:
-            OmegaConf.update(config, model_key, str(ensure_builtin_assets().model_path))
+            OmegaConf.update(config, model_key, str(model_path()))
         if config.data.train_files is None:
             config.data.train_files = train_file
         if config.data.val_files is None:
@@ -138,8 +152,15 @@ def build_trainer(config: DictConfig):
     from hflow.workers.reward_manager import load_reward_manager
 
     tokenizer = load_tokenizer(config.actor_rollout_ref.model, "actor_rollout_ref.model")
-    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
-    val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files")
+    tools = None
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable:  # prompts describe the tools to templates that render them
+        from hflow.agent.tool_config import tool_schemas
+        from hflow.workers.rollout.multi_turn import load_rollout_tools
+
+        tools = tool_schemas(load_rollout_tools(multi_turn))
+    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools)
+    val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files", tools=tools)
     train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)

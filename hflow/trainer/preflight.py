@@ -189,6 +189,7 @@ def preflight_check(config: DictConfig) -> None:
     if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
         raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
     check_rollout_is(algo, rollout)
+    check_multi_turn(rollout.multi_turn)
     if algo.adv_estimator == "gae" and config.critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
                           "(by default it is the actor's model)")
@@ -387,3 +388,33 @@ def check_rollout_is(algo: DictConfig, rollout: DictConfig) -> None:
     if algo.reuse_update_log_probs:
         raise ConfigError("algorithm.rollout_is needs old log-probs recomputed by the actor, which "
                           "algorithm.reuse_update_log_probs=true skips; set one of them off")
+
+
+def check_multi_turn(multi_turn: DictConfig) -> None:
+    """`actor_rollout_ref.rollout.multi_turn`: limits in range, a known call format, and tools that load
+    (their YAML, classes and function files are read now, before any model)."""
+    if not multi_turn.enable:
+        return
+    from hflow.agent.chat import TRUNCATE_SIDES
+    from hflow.agent.parsers import get_parser
+    from hflow.workers.rollout.multi_turn import load_rollout_tools
+
+    prefix = "actor_rollout_ref.rollout.multi_turn"
+    for key in ("max_assistant_turns", "max_user_turns"):
+        value = multi_turn[key]
+        if value is not None and int(value) < 1:
+            raise ConfigError(f"{prefix}.{key}={value}; give a number >= 1, or null for no limit")
+    for key in ("max_parallel_calls", "max_concurrent_tools"):
+        if int(multi_turn[key]) < 1:
+            raise ConfigError(f"{prefix}.{key}={multi_turn[key]}; it must be >= 1")
+    if not float(multi_turn.tool_timeout_s) > 0:
+        raise ConfigError(f"{prefix}.tool_timeout_s={multi_turn.tool_timeout_s}; give a positive number of seconds")
+    check_choice(multi_turn.tool_response_truncate_side, TRUNCATE_SIDES, f"{prefix}.tool_response_truncate_side")
+    try:
+        get_parser(str(multi_turn.format))
+    except ValueError as err:
+        raise ConfigError(f"{prefix}.format: {err}") from None
+    if multi_turn.tool_config_path is not None and not Path(str(multi_turn.tool_config_path)).expanduser().is_file():
+        raise ConfigError(f"{prefix}.tool_config_path={multi_turn.tool_config_path}: no such file; point it at a "
+                          "YAML with a 'tools:' list, or leave it null for the built-in calculator")
+    load_rollout_tools(multi_turn)  # ConfigError naming the file, the tool and the key

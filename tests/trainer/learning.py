@@ -13,9 +13,9 @@ SETTLED_FROM_STEP = 4  # validation points from this step on must average at lea
 SETTLED_MEAN = 0.8
 
 
-def validation_curve(records: list[dict]) -> dict[int, float]:
-    """{step: greedy validation score} from a run's metrics.jsonl records."""
-    return {r["step"]: r[VAL_KEY] for r in records if VAL_KEY in r}
+def validation_curve(records: list[dict], key: str = VAL_KEY) -> dict[int, float]:
+    """{step: greedy validation score} from a run's metrics.jsonl records (`key`: the task's metric)."""
+    return {r["step"]: r[key] for r in records if key in r}
 
 
 def assert_learned(curve: dict[int, float]) -> None:

@@ -27,6 +27,7 @@ from tests.conftest import REPO_ROOT
 
 PPO, SFT, RM = "hflow.trainer.main_ppo", "hflow.trainer.main_sft", "hflow.trainer.main_rm"
 GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
+MULTI_TURN = "actor_rollout_ref.rollout.multi_turn.enable=true"
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,10 @@ def files(tmp_path_factory) -> Path:
         (root / name / "model.safetensors").symlink_to(model / "model.safetensors")
     (root / "reward_signature.py").write_text("def compute_score(solution_str):\n    return 1.0\n")
     (root / "checkpoints" / "global_step_5").mkdir(parents=True)  # a save that died: no data/state.pt
+    (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
+    (root / "bad_tools.yaml").write_text(
+        "tools:\n  - function: my_tools.py:search\n    tool_schema:\n      type: function\n      function:\n"
+        "        name: search\n        parameters: {type: object, properties: {query: {type: string}}}\n")
     return root
 
 
@@ -120,6 +125,17 @@ CASES = [
      ["trainer.resume_from_path", "global_step_9 (no such folder)"]),
     ("config-file-that-does-not-exist", PPO, ["--config-name", "ppo_trainr"],
      ["--config-name ppo_trainr", "ppo_trainer"]),
+    # multi-turn agent rollouts
+    ("tool-config-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/no.yaml"],
+     ["actor_rollout_ref.rollout.multi_turn.tool_config_path", "no.yaml", "no such file"]),
+    ("tool-function-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/bad_tools.yaml"],
+     ["bad_tools.yaml", "tools[0]", "search"]),
+    ("unknown-tool-call-format", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.format=xml"],
+     ["actor_rollout_ref.rollout.multi_turn.format", "'xml'", "hermes"]),
+    ("zero-parallel-calls", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"],
+     ["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", ">= 1"]),
+    ("bad-truncate-side", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"],
+     ["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side='top'", "middle"]),
     # the supervised stages
     ("sft-zero-batch", SFT, ["data.train_batch_size=0"], ["data.train_batch_size", "positive"]),
     ("sft-negative-micro-batch", SFT, ["data.micro_batch_size_per_gpu=-2"], ["data.micro_batch_size_per_gpu"]),

@@ -5,6 +5,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -51,6 +52,14 @@ def misbehave(data_source, solution_str, ground_truth, extra_info=None):
     if "noscore" in solution_str:
         return {"acc": 1.0}
     return 1.0
+
+
+def tool_use(data_source, solution_str, ground_truth, extra_info=None):
+    """Rewards the answer and, separately, a calculator call that succeeded (seen in the episode)."""
+    episode = extra_info["episode"]
+    called = any(c["name"] == "calculator" and not c["error"] for c in episode["tool_calls"])
+    return {"score": float(solution_str.strip() == str(ground_truth)), "called": called,
+            "turns": episode["num_turns"], "row": extra_info["i"]}
 '''
 
 
@@ -346,3 +355,22 @@ def test_the_example_reward_function_loads_and_scores():
     result = fn("openai/gsm8k", "so the answer is #### 72", "72")
     assert result["correct"] == 1.0
     assert result["score"] == 1.0 - 0.01 * len("so the answer is #### 72")
+
+
+def test_multi_turn_reward_judges_the_final_answer_and_sees_the_episode(tokenizer, reward_file):
+    """With an `episode` per sample (multi-turn rollouts), `solution_str` is the last assistant message (not
+    the whole decoded episode, whose tool output holds the right number too) and extra_info keeps the
+    row's own keys beside `episode`."""
+    samples = [("What is 37 * 86?", "call 3182 answer 3182", "hflow/multiply", "3182"),
+               ("What is 37 * 86?", "call 3182 answer 2400", "hflow/multiply", "3182")]
+    batch = make_batch(tokenizer, samples)
+    call = {"name": "calculator", "arguments": {"expression": "37 * 86"}, "result": "3182", "error": None}
+    batch.non_tensor_batch["episode"] = np.array([
+        {"messages": [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "3182"},
+                      {"role": "assistant", "content": answer}], "tool_calls": [call], "num_turns": 2}
+        for answer in ("3182", "2400")], dtype=object)
+    manager = NaiveRewardManager(tokenizer, 0, compute_score=get_custom_reward_fn(_config(reward_file, "tool_use")))
+    out = manager(batch, return_dict=True)
+    manager.close()
+    assert out["reward_tensor"].sum(-1).tolist() == [1.0, 0.0]
+    assert out["reward_extra_info"] == {"called": [True, True], "turns": [2, 2], "row": [0, 1]}

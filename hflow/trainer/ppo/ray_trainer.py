@@ -45,7 +45,8 @@ from hflow.utils.tracking import Tracking
 def pop_generation_inputs(batch: DataProto) -> DataProto:
     """Move what generation reads (prompt ids, masks, positions, raw prompts) out of `batch`."""
     return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt") if k in batch.non_tensor_batch])
+                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
+                                            if k in batch.non_tensor_batch])
 
 
 @dataclass
@@ -430,7 +431,8 @@ class RayPPOTrainer:
                 batch.batch["reward_baselines"] = self._greedy_baseline(batch, rollout.gen_batch)
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
         batch = batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(rollout.output)
-        batch.batch["response_mask"] = compute_response_mask(batch)
+        if "response_mask" not in batch.batch.keys():  # multi-turn rollouts bring theirs (0 on tool tokens)
+            batch.batch["response_mask"] = compute_response_mask(batch)
         with timer("reward", timing):
             batch.batch["token_level_scores"], reward, score_metrics = self._score(batch, self.reward_fn)
         metrics.update(score_metrics)
@@ -663,8 +665,10 @@ class RayPPOTrainer:
         inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
         outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
-        self._write_jsonl(path, [{"input": i, "output": o, "score": s, "step": self.global_steps}
-                                 for i, o, s in zip(inputs, outputs, scores)])
+        rows = [{"input": i, "output": o, "score": s, "step": self.global_steps} for i, o, s in zip(inputs, outputs, scores)]
+        for row, episode in zip(rows, batch.non_tensor_batch.get("episode", [])):
+            row["episode"] = episode  # multi-turn: each message and tool call, readable
+        self._write_jsonl(path, rows)
 
     @staticmethod
     def _write_jsonl(path: Path, rows: list[dict]) -> None:

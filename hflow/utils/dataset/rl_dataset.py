@@ -44,6 +44,9 @@ class RLHFDataset(Dataset):
             ``chat_template`` (every key present: build one by hand from
             ``hflow.config_schema.default_config().data``).
         files_key: the config key the files came from, for error messages.
+        tools: OpenAI function schemas of a multi-turn rollout's tools: the chat template gets them (as
+            ``tools=``, for templates that describe tools in the prompt) and items carry ``tools_kwargs``
+            (``extra_info.tools_kwargs``, {} when absent).
 
     An item has ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
     ``max_prompt_length``, left-padded), ``raw_prompt_ids`` (the unpadded ids, for vLLM),
@@ -61,8 +64,10 @@ class RLHFDataset(Dataset):
         tokenizer: Any,
         config: DictConfig,
         files_key: str = "data.train_files",
+        tools: Sequence[dict] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
         self.files = _resolve_files(data_files, files_key)
         self.prompt_key = config.prompt_key
         self.reward_fn_key = config.reward_fn_key
@@ -120,6 +125,9 @@ class RLHFDataset(Dataset):
         extra_info = row.get("extra_info")
         given_index = extra_info.get("index") if isinstance(extra_info, dict) else None
         row["index"] = index if given_index is None else given_index
+        if self.tools:  # multi-turn: each tool's create/execute kwargs for this sample
+            tools_kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
+            row["tools_kwargs"] = tools_kwargs or {}
         return row
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -226,7 +234,9 @@ class RLHFDataset(Dataset):
 
     def _render(self, messages: list[dict[str, Any]], index: int) -> str:
         """The prompt of sample `index` through the chat template."""
-        kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
+        kwargs: dict[str, Any] = {"chat_template": self.chat_template} if self.chat_template else {}
+        if self.tools:
+            kwargs["tools"] = self.tools
         return apply_chat_template(self.tokenizer, messages, lambda: self._where(index), add_generation_prompt=True,
                                    tokenize=False, **kwargs)
 

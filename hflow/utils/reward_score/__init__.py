@@ -24,6 +24,7 @@ SCORERS: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
     "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
     "HuggingFaceH4/MATH-500": math.compute_score,
     "hflow/arithmetic": arithmetic.compute_score,
+    "hflow/multiply": arithmetic.compute_score,  # the built-in agent task: the final answer's number
     "hflow/arithmetic-style": answer_style.compute_score,
     # Code with test cases, run in hflow.sandbox; the dict adds passed/total/error to the reward's extra info.
     **dict.fromkeys(code_exec.DATA_SOURCES, code_exec.compute_score),

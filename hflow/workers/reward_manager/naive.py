@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hflow.agent.loop import final_assistant_text
 from hflow.protocol import DataProto
 from hflow.utils.errors import UserError
 from hflow.utils.reward_score import default_compute_score
@@ -105,11 +106,16 @@ class NaiveRewardManager:
         solutions = self.tokenizer.batch_decode(
             [responses[i, :length].tolist() for i, length in enumerate(response_lengths)], skip_special_tokens=True
         )
+        episodes = data.non_tensor_batch.get("episode")
+        if episodes is not None:  # multi-turn: the final answer is judged, the whole episode is visible
+            solutions = [final_assistant_text(episode) for episode in episodes]
         data_sources = self._column(data, self.reward_fn_key, "data.reward_fn_key")
         ground_truths = [
             _ground_truth(entry, i) for i, entry in enumerate(self._column(data, "reward_model", "the dataset"))
         ]
         extra_infos = data.non_tensor_batch.get("extra_info", np.full(len(data), None, dtype=object))
+        if episodes is not None:
+            extra_infos = [{**(info or {}), "episode": episode} for info, episode in zip(extra_infos, episodes)]
         calls = [
             dict(
                 data_source=data_sources[i],
