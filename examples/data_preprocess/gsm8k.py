@@ -12,6 +12,9 @@ or, with network access and the ``datasets`` package, from the Hugging Face Hub:
 Each row: ``data_source="openai/gsm8k"``, ``prompt`` (one user message asking for the answer after
 ``####``), ``ability="math"``, ``reward_model={"style": "rule", "ground_truth": "<number>"}`` and
 ``extra_info={"split", "index", "answer", "question"}``.
+
+With ``--tools python`` (for multi-turn agent training, `examples/agent/`) the prompt opens with a system
+message that offers the sandboxed ``python`` tool, and ``extra_info.tools_kwargs`` names it for every row.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import pandas as pd
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
+TOOL_SYSTEM_PROMPT = (
+    "You are a math expert. You may call the python tool to run Python code (print what you need; you see "
+    "its output) as often as it helps. Output the final answer after \"####\"."
+)
 
 
 def extract_answer(answer: str) -> str:
@@ -35,14 +42,19 @@ def extract_answer(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
-def make_row(example: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+def make_row(example: dict[str, Any], split: str, index: int, tools: tuple[str, ...] = ()) -> dict[str, Any]:
     question, answer = example["question"], example["answer"]
+    prompt = [{"role": "user", "content": question + " " + INSTRUCTION}]
+    extra_info = {"split": split, "index": index, "answer": answer, "question": question}
+    if tools:
+        prompt.insert(0, {"role": "system", "content": TOOL_SYSTEM_PROMPT})
+        extra_info["tools_kwargs"] = {name: {} for name in tools}
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
+        "prompt": prompt,
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": extract_answer(answer)},
-        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+        "extra_info": extra_info,
     }
 
 
@@ -93,14 +105,14 @@ def read_hub() -> dict[str, list[dict[str, Any]]]:
     return {split: list(dataset[split]) for split in SPLITS}
 
 
-def convert(examples: dict[str, list[dict[str, Any]]], local_dir: str | Path) -> list[Path]:
+def convert(examples: dict[str, list[dict[str, Any]]], local_dir: str | Path, tools: tuple[str, ...] = ()) -> list[Path]:
     """Write ``<split>.parquet`` for every split; returns the files written."""
     local_dir = Path(local_dir).expanduser()
     local_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for split, rows in examples.items():
         path = local_dir / f"{split}.parquet"
-        pd.DataFrame([make_row(example, split, index) for index, example in enumerate(rows)]).to_parquet(
+        pd.DataFrame([make_row(example, split, index, tools) for index, example in enumerate(rows)]).to_parquet(
             path, index=False
         )
         written.append(path)
@@ -113,10 +125,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     source.add_argument("--input", nargs="+", help="local GSM8K .jsonl/.parquet files or folders holding them")
     source.add_argument("--from_hub", action="store_true", help="download openai/gsm8k (needs network, datasets)")
     parser.add_argument("--local_dir", default="~/data/gsm8k", help="where train.parquet and test.parquet go")
+    parser.add_argument("--tools", nargs="*", default=[], choices=["python", "calculator"],
+                        help="multi-turn: offer these tools in a system message and extra_info.tools_kwargs")
     args = parser.parse_args(argv)
 
     examples = read_hub() if args.from_hub else read_local(args.input)
-    written = convert(examples, args.local_dir)
+    written = convert(examples, args.local_dir, tuple(args.tools))
     for path in written:
         print(f"wrote {path}")
     return written
