@@ -53,8 +53,8 @@ def test_every_yaml_value_has_the_schema_type(name):
     validate_config(OmegaConf.load(CONFIG_DIR / f"{name}.yaml"), SCHEMAS[name])
 
 
-@pytest.mark.parametrize("builtin,name", [("builtin_task", "ppo_trainer"), ("builtin_sft", "sft_trainer"),
-                                          ("builtin_rm", "rm_trainer")])
+@pytest.mark.parametrize("builtin,name", [("builtin_task", "ppo_trainer"), ("builtin_agent_task", "ppo_trainer"),
+                                          ("builtin_sft", "sft_trainer"), ("builtin_rm", "rm_trainer")])
 def test_builtin_task_settings_name_schema_keys(builtin, name):
     unknown = sorted(set(yaml_leaves(f"{builtin}.yaml")) - set(schema_leaves(name)))
     assert not unknown, f"{builtin}.yaml names keys the schema does not have: {unknown}"

@@ -2,6 +2,7 @@
 below. Checked on the source, so a new upward import fails here rather than in a review.
 
     trainer -> workers -> single_controller / protocol -> config_schema / algorithms / utils
+    workers -> agent (the multi-turn loop, tools) -> utils -> sandbox (stdlib only)
 """
 
 import ast
@@ -19,6 +20,9 @@ FORBIDDEN = {
     "protocol.py": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "single_controller": ("hflow.trainer", "hflow.workers"),
     "workers": ("hflow.trainer",),
+    "agent": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
+    "sandbox": ("hflow.trainer", "hflow.workers", "hflow.single_controller", "hflow.agent", "hflow.utils",
+                "hflow.protocol", "hflow.config_schema", "hflow.algorithms", "hflow.tasks"),
 }
 
 
