@@ -5,8 +5,9 @@ with no data or model trains `hflow.tasks.agent_task`: multiplications of two 2-
 small model cannot do in its head (greedy, with tools: 0.015 on the held-out problems) but can with the
 built-in calculator, which it calls in a quarter of its samples. Held-out greedy episodes (with the tool)
 must go from <= 0.2 to >= 0.9 and stay there (tests/trainer/learning.py's mark) on the real engines (Ray,
-vLLM) colocated, with generation on its own devices one step off (`split`, `async_steps=1`), and with the
-critic (GAE) on the local backend and the HF rollout. The control is the same GRPO run
+vLLM) colocated, with generation on its own devices one step off (`split`, `async_steps=1`), on two ranks
+(one tensor-parallel engine; HF generation), and with the critic (GAE) on the local backend and the HF
+rollout. The control is the same GRPO run
 with a calculator that always fails: calling it earns nothing, and the score must stay <= 0.3.
 """
 
@@ -15,6 +16,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.trainer.agent_controls import write_broken_tools
@@ -47,6 +50,15 @@ def test_grpo_learns_to_call_the_calculator_on_ray_and_vllm(tmp_path):
 def test_grpo_learns_with_generation_on_its_own_devices_one_step_off(tmp_path):
     curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.placement=split",
                               "trainer.n_gpus_per_node=2", "trainer.async_steps=1", steps=6)
+    assert_learned(curve)
+
+
+@pytest.mark.parametrize("engine", [
+    ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],  # one engine on both ranks: only one runs tools
+    ["actor_rollout_ref.rollout.name=hf"],  # HF waves: both ranks step every wave together
+], ids=["vllm-tp2", "hf-two-ranks"])
+def test_grpo_learns_on_two_ranks(tmp_path, engine):
+    curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2", *engine, steps=6)
     assert_learned(curve)
 
 
