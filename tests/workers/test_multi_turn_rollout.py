@@ -52,11 +52,16 @@ def hf_model(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return end_turns_often(model, tiny_tokenizer)
+
+
+@torch.no_grad()
+def end_turns_often(model, tokenizer):
+    """Point the EOS logit row along the mean final hidden state of random inputs (in place)."""
     ids = torch.randint(10, 500, (8, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
-        mean = hidden.mean(0)
-        model.lm_head.weight[tiny_tokenizer.eos_token_id] = 0.12 * mean / mean.norm() * hidden.norm(dim=-1).mean()
+    hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+    mean = hidden.mean(0)
+    model.lm_head.weight[tokenizer.eos_token_id] = 0.12 * mean / mean.norm() * hidden.norm(dim=-1).mean()
     return model
 
 
@@ -157,6 +162,7 @@ def test_vllm_episode_is_token_in_token_out_with_sampler_log_probs(vllm_rollout,
     recorder = Recorder(monkeypatch, module, "_StreamingEngine")
     push(vllm_rollout, hf_model)
     prompts = make_prompts(tiny_tokenizer, QUESTIONS)
+    torch.manual_seed(0)
     output = vllm_rollout.generate_sequences(prompts)
 
     check_token_in_token_out(output, tiny_tokenizer, chat_prompt_ids(tiny_tokenizer, QUESTIONS), recorder.turns, n=4)
@@ -187,14 +193,15 @@ def test_hf_rollout_runs_the_same_loop(tool_config, tiny_tokenizer, hf_model, mo
 
 
 def test_tool_tokens_get_exactly_zero_gradient(vllm_rollout, tiny_tokenizer, tiny_model_dir: Path):
-    """(b) One PPO update with entropy bonus and KL loss on a real episode batch: the gradient reaching
+    """(a) The actor's log-probs of a real episode batch equal the sampler's; (b) one PPO update with entropy bonus and KL loss on a real episode batch: the gradient reaching
     the logits that predict tool tokens is exactly zero, the sampled tokens' is not."""
     from tests.workers.test_dp_actor import actor_config
     from hflow.utils.fsdp_utils import load_causal_lm
     from hflow.workers.actor import DataParallelPPOActor
 
-    model = load_causal_lm(str(tiny_model_dir))
+    model = end_turns_often(load_causal_lm(str(tiny_model_dir)), tiny_tokenizer)
     push(vllm_rollout, model)
+    torch.manual_seed(0)
     data = vllm_rollout.generate_sequences(make_prompts(tiny_tokenizer, QUESTIONS))
     mask = data.batch["response_mask"]
     assert (mask == 0).logical_and(data.batch["attention_mask"][:, -RESPONSE_LENGTH:] == 1).any(), "no tool tokens"
@@ -205,6 +212,8 @@ def test_tool_tokens_get_exactly_zero_gradient(vllm_rollout, tiny_tokenizer, tin
                      use_kl_loss=True, kl_loss_coef=0.1),
         model, torch.optim.SGD(model.parameters(), lr=0.1))
     old, _ = actor.compute_log_prob(data)
+    # (a) through the trainer's own actor as well: its log-probs of the sampled tokens are the sampler's
+    assert (old - data.batch["rollout_log_probs"]).abs()[mask.bool()].max().item() < PARITY_TOL
     gen = torch.Generator().manual_seed(0)
     data.batch["old_log_probs"] = old + 0.1 * torch.randn(old.shape, generator=gen)
     data.batch["ref_log_prob"] = old + 0.1 * torch.randn(old.shape, generator=gen)
