@@ -413,6 +413,8 @@ class TrainerConfig:
     validation_data_dir: Optional[str] = None
     log_val_generations: int = 0
     seed: int = 42
+    reward_audit: bool = False  # audit the reward for gaming responses before training (hflow.tools.reward_audit)
+    reward_audit_max_accept: float = 0.05
 
 
 @dataclass

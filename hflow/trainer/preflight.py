@@ -259,6 +259,13 @@ def preflight_check(config: DictConfig) -> None:
     check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
     check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")
     check_reward_sources(config)
+    if config.trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
+        if not 0 <= float(config.trainer.reward_audit_max_accept) <= 1:
+            raise ConfigError(f"trainer.reward_audit_max_accept must be in [0, 1], got "
+                              f"{config.trainer.reward_audit_max_accept}")
+        from hflow.tools.reward_audit import check_reward_before_training
+
+        check_reward_before_training(config)
 
 
 def check_sizes(config: DictConfig) -> None:

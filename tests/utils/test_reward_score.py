@@ -15,7 +15,10 @@ from hflow.utils.reward_score import SCORERS, arithmetic, default_compute_score,
         ("The answer is #### 72.", 1.0),
         ("#### $72", 1.0),
         ("#### 72.0", 1.0),
-        ("First guess #### 10, corrected: #### 72", 1.0),  # the last marker counts
+        ("First guess #### 10, corrected: #### 72", 0.0),  # two different answers pay nothing (reward audit)
+        ("#### 72\n#### 72", 1.0),  # the same answer twice is one answer
+        ("#### 72 or 73", 0.0),  # several candidates after the marker
+        ("#### ７２", 0.0),  # fullwidth digits are not an answer
         ("The answer is 72", 0.0),  # strict: no ####
         ("#### 71", 0.0),
     ],
@@ -31,6 +34,8 @@ def test_gsm8k_flexible_format_score_and_extraction():
     assert gsm8k.compute_score("#### 8", "7", format_score=0.1) == 0.1
     assert gsm8k.compute_score("8", "7", format_score=0.1) == 0.0  # no answer: not even the format score
     assert gsm8k.compute_score("#### -5", -5) == 1.0
+    for fraction in ("#### 1/2", "#### \\frac{1}{2}", "#### 0.50"):  # equivalent spellings of 0.5
+        assert gsm8k.compute_score(fraction, "0.5") == 1.0, fraction
     assert gsm8k.extract_solution("x #### 1,000,000") == "1000000"
     assert gsm8k.extract_solution("nothing") is None
     with pytest.raises(ValueError, match="method='fuzzy'"):
@@ -58,6 +63,13 @@ def test_gsm8k_flexible_format_score_and_extraction():
         (r"\sqrt3", r"\sqrt{3}"),
         (r"2\!\sqrt{2}", r"2\sqrt{2}"),
         (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt{3}}{2}"),
+        # plain numbers compare by value (the reward audit found these rejected)
+        (r"0.25", r"\frac14"),
+        (r"17.0", r"17"),
+        (r"17.", r"17"),
+        (r"9/2", r"4.5"),
+        (r"1,024", r"1024"),
+        (r"-0.5", r"-\frac{1}{2}"),
     ],
 )
 def test_math_equivalent_answers(answer, ground_truth):
@@ -67,7 +79,6 @@ def test_math_equivalent_answers(answer, ground_truth):
 @pytest.mark.parametrize(
     ("answer", "ground_truth"),
     [
-        (r"0.25", r"\frac14"),  # only the spelling 0.5 is rewritten; nothing is evaluated
         (r"x + y = 3", r"3"),  # a real equation keeps its left side
         (r"\frac{1}{3}", r"\frac{1}{2}"),
         (r"2", r"3"),
@@ -87,6 +98,8 @@ def test_math_boxed_extraction():
     assert math.remove_boxed(r"\boxed 7") == "7"
     assert math.compute_score(r"$\boxed 7$", "7") == 1.0
     assert math.compute_score("The answer is 7", "7") == 0.0
+    assert math.compute_score(r"\boxed{6} \boxed{7}", "7") == 0.0  # several different answers
+    assert math.compute_score(r"\boxed{7}, so \boxed{7.0}", "7") == 1.0
     assert math.compute_score(r"\boxed{unclosed", "unclosed") == 0.0
     # A ground truth given as a full solution is reduced to its boxed answer.
     assert math.compute_score(r"\boxed{4}", r"So $2 + 2 = \boxed{4}$.") == 1.0

@@ -4,13 +4,18 @@ Equivalence follows the rules of the MATH paper's evaluation (as lm-eval-harness
 task applies them): both strings are normalised — LaTeX spacing and sizing commands, units, degree
 and percent signs, dollar signs and spaces dropped; ``\dfrac``/``\tfrac`` → ``\frac``; shorthand
 ``\frac12`` / ``\sqrt3`` braced; ``a/b`` of integers → ``\frac{a}{b}``; a short ``x =`` prefix
-dropped — and then compared as strings. Nothing is evaluated numerically: ``0.5`` equals
-``\frac{1}{2}`` only because that one spelling is rewritten, and ``0.25`` does not equal ``\frac14``.
+dropped — and then compared as strings; answers that are then plain numbers (integers, decimals, ``a/b``,
+``\frac{a}{b}``, thousands commas ``1,024`` or ``1{,}024``) are compared by value, so ``0.25`` equals
+``\frac14`` and ``17.0`` equals ``17``.
+
+A response with several different ``\boxed{}`` answers scores 0 (``\boxed{16} \boxed{17} \boxed{18}`` is a
+list of candidates, not an answer; ``python -m hflow.tools.reward_audit`` found the last-box rule paying for it).
 """
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 __all__ = ["compute_score", "is_equiv", "last_boxed_only_string", "normalize_answer", "remove_boxed"]
 
@@ -26,10 +31,24 @@ def compute_score(solution_str: str, ground_truth: str) -> float:
     boxed = last_boxed_only_string(solution_str)
     if boxed is None:
         return 0.0
+    answer = remove_boxed(boxed)
+    if any(not is_equiv(remove_boxed(other), answer) for other in _all_boxed(solution_str)):
+        return 0.0  # several different answers
     ground_truth = str(ground_truth)
     if any(command in ground_truth for command in _BOX_COMMANDS):
         ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
-    return 1.0 if is_equiv(remove_boxed(boxed), ground_truth) else 0.0
+    return 1.0 if is_equiv(answer, ground_truth) else 0.0
+
+
+def _all_boxed(text: str) -> list[str]:
+    r"""Every closed ``\boxed{...}`` / ``\fbox{...}`` of `text`, in order."""
+    found, end = [], len(text)
+    while True:
+        boxed = last_boxed_only_string(text[:end])
+        if boxed is None:
+            return found[::-1]
+        found.append(boxed)
+        end = max(text[:end].rfind(command) for command in _BOX_COMMANDS)
 
 
 def last_boxed_only_string(text: str) -> str | None:
@@ -65,7 +84,25 @@ def is_equiv(answer: str | None, reference: str | None) -> bool:
     """Whether two final answers are the same after `normalize_answer` (two missing answers are equal)."""
     if answer is None or reference is None:
         return answer is None and reference is None
-    return normalize_answer(answer) == normalize_answer(reference)
+    answer, reference = normalize_answer(answer), normalize_answer(reference)
+    if answer == reference:
+        return True
+    value = _as_number(answer)
+    return value is not None and value == _as_number(reference)
+
+
+def _as_number(normalized: str) -> Fraction | None:
+    r"""The value of a normalised answer that is a plain number (``-3``, ``2.50``, ``1,024``, ``\frac{1}{4}``)."""
+    text = normalized.replace("{,}", ",")
+    match = re.fullmatch(r"(-?)\\frac\{(-?[0-9]+)\}\{([0-9]+)\}", text)
+    if match:
+        sign, numerator, denominator = match.groups()
+        return None if int(denominator) == 0 else Fraction(int(numerator), int(denominator)) * (-1 if sign else 1)
+    if re.fullmatch(r"-?[0-9]{1,3}(,[0-9]{3})+(\.[0-9]*)?", text):
+        text = text.replace(",", "")
+    if re.fullmatch(r"-?([0-9]+(\.[0-9]+)?|\.[0-9]+)\.?", text):  # a trailing "." ends a sentence
+        return Fraction(text[:-1] if text.endswith(".") else text)
+    return None
 
 
 def normalize_answer(answer: str) -> str:
