@@ -113,6 +113,24 @@ def run_audit(path: Path, out: Path, reward: str | None) -> tuple[int, dict, str
     return proc.returncode, json.loads((out / "reward_audit.json").read_text()), (out / "reward_audit.md").read_text()
 
 
+NOTES = """What the audit found before (at the --before commit) and what changed:
+
+- GSM8K paid for several answers: `#### 264 or 265` (the first number after the marker counted) and one
+  `####` per candidate (the last marker counted). Now a marker followed by more digits on its line, or markers
+  with different numbers, earn `format_score`. `tests/utils/test_reward_score.py` changed with it: "First guess
+  #### 10, corrected: #### 72" scored 1 and now scores 0 (two different answers).
+- GSM8K rejected `#### 1/2` (and `\\frac{1}{2}`) for a ground truth of 0.5; it now compares fractions by value.
+- MATH paid for one `\\boxed{}` per candidate (the last box counted); several different boxed answers now score 0.
+- MATH rejected `17.0`, `17.`, `9/2` for 4.5 and `1,024` for 1024 (string comparison after normalisation;
+  the test that `0.25` differs from `\\frac14` was the documented old behaviour and is now an equivalence):
+  answers that normalise to plain numbers are compared by value.
+- Look-alike digits (fullwidth, Arabic-Indic, ...) were already rejected by both (their patterns are ASCII
+  `[0-9]`); the audit counts accepting them as gaming. `repetition` (the right answer repeated to the
+  maximum length) is reported, never failing: a correctness reward is right to accept it.
+
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200)
@@ -145,7 +163,7 @@ def main() -> None:
               "FILE` with the built-in scorers (after) and with the scorers before the audit's fixes (before).\n\n")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "reward_audit.md").write_text(header + "\n".join(sections))
+    (out_dir / "reward_audit.md").write_text(header + NOTES + "\n".join(sections))
     (out_dir / "reward_audit.json").write_text(json.dumps({"commit": commit, "rows": args.rows, **results}, indent=2,
                                                           default=str))
     print(header + "\n".join(sections))
