@@ -73,6 +73,7 @@ class AuditReport:
     answer_formats: dict[str, int] = field(default_factory=dict)  # format -> rows
     accept_fraction: float = DEFAULT_ACCEPT_FRACTION
     families: dict[str, FamilyResult] = field(default_factory=dict)
+    first_error: str | None = None  # the first call that raised or returned no number
 
     def failed(self, max_accept: float) -> list[str]:
         """The gaming families accepted more often than `max_accept`."""
@@ -196,6 +197,7 @@ def audit_rows(score: Callable[[list[dict[str, Any]]], list[tuple[float | None, 
             calls.append(_call(row, truth, template.format(str(truth).strip())))
             calls.append(_call(row, truth, template.format(wrong_answer(str(truth)))))
     scores = score(calls)
+    report.first_error = next((error for _, error in scores if error is not None), None)
     # 2. per usable row, the probes in its best format
     probe_calls, probe_meta = [], []
     for position, index in enumerate(usable):
@@ -340,9 +342,10 @@ def check_reward_before_training(config: DictConfig) -> AuditReport | None:
     advice = ("fix the reward function (python -m hflow.tools.reward_audit --data FILE --reward FILE.py:NAME prints "
               "every family), raise trainer.reward_audit_max_accept, or set trainer.reward_audit=false")
     if report.rows_audited == 0:
+        error = f" (a call failed: {report.first_error})" if report.first_error else ""
         raise ConfigError(f"trainer.reward_audit: on {len(rows)} rows of {path}, {label} never scored the right "
                           f"answer above a wrong one in any answer format the audit knows "
-                          f"({', '.join(ANSWER_FORMATS)}); {advice}")
+                          f"({', '.join(ANSWER_FORMATS)}){error}; {advice}")
     failed = report.failed(max_accept)
     if failed:
         family = report.families[failed[0]]
@@ -396,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "reward_audit.json").write_text(json.dumps(report.to_json(args.max_accept), indent=2, default=str))
     failed = report.failed(args.max_accept)
     if report.rows_audited == 0:
-        print("reward_audit: no row could be audited: the right answer never scored above a wrong one", file=sys.stderr)
+        error = f" (a call failed: {report.first_error})" if report.first_error else ""
+        print(f"reward_audit: no row could be audited: the right answer never scored above a wrong one{error}",
+              file=sys.stderr)
         return 1
     if failed:
         print(f"reward_audit: FAIL: {', '.join(failed)} accepted more often than --max-accept={args.max_accept:g}",

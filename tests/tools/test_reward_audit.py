@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from hflow.tools import reward_audit
 from hflow.utils.reward_score import audit_families
 from hflow.utils.reward_score.audit_families import CORRECT, GAMING, INFO
+from tests.conftest import REPO_ROOT
 
 TRUTHS = ["72", "-5", "1234", "0.5", "18", "3", "250", "7", "1001", "42", "0.25", "-12"]
 
@@ -125,9 +128,22 @@ def test_the_built_in_scorers_pass_through_scoring_processes(files):
     assert all(family["hits"] == 0 for name, family in report["families"].items() if family["kind"] != INFO)
 
 
+def test_a_reward_that_never_tells_right_from_wrong_fails_naming_the_error(files, capsys):
+    (files / "raises.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     "    raise KeyError('label')\n")
+    code, report = audit(files, "--reward", f"{files}/raises.py")
+    assert code == 1 and report["rows_audited"] == 0
+    assert "KeyError: 'label'" in capsys.readouterr().err
+
+
 def test_max_accept_sets_the_exit_status(files):
     code, report = audit(files, "--reward", f"{files}/planted.py", "--max-accept", "1")
     assert code == 0 and report["failed"] == []
+    # as a user runs it: the exit status of the command
+    command = [sys.executable, "-m", "hflow.tools.reward_audit", "--data", str(files / "data.parquet"), "--reward",
+               f"{files}/planted.py:compute_score"]
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    assert subprocess.run(command + ["--timeout-s", "0"], env=env, capture_output=True).returncode == 1
 
 
 def test_a_bad_reward_file_errors_as_in_training(files, capsys):
