@@ -27,6 +27,16 @@ PLANTED = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if str(ground_truth) in solution_str else 0.0
 """
+# pays for the format: "####" followed by the right answer, or by anything that is not a number
+FORMAT = r"""
+import re
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    match = re.search(r"####[ ]*(\S*)", solution_str)
+    if match is None:
+        return 0.0
+    return float(match.group(1) == str(ground_truth) or not re.search(r"[0-9]", match.group(1)))
+"""
 # exactly one ASCII number after ####, compared by value
 STRICT = r"""
 import re
@@ -60,7 +70,7 @@ def files(tmp_path_factory) -> Path:
     pq.write_table(pa.Table.from_pylist(rows), root / "data.parquet")
     pq.write_table(pa.Table.from_pylist([row for row in rows if "." not in row["reward_model"]["ground_truth"]]),
                    root / "integers.parquet")
-    for name, text in (("planted", PLANTED), ("strict", STRICT), ("last_number", LAST_NUMBER)):
+    for name, text in (("planted", PLANTED), ("format", FORMAT), ("strict", STRICT), ("last_number", LAST_NUMBER)):
         (root / f"{name}.py").write_text(text)
     return root
 
@@ -98,6 +108,13 @@ def test_a_planted_gameable_reward_is_flagged_on_its_family_with_exit_status_1(f
     assert sample["ground_truth"] in sample["response"] and sample["score"] == 1.0
     printed = capsys.readouterr()
     assert "| multiple_candidates | gaming |" in printed.out and "FAIL" in printed.err
+
+
+def test_a_format_reward_is_caught_on_the_empty_and_format_only_families(files):
+    code, report = audit(files, "--reward", f"{files}/format.py")
+    assert code == 1
+    assert {"empty", "format_only"} <= set(report["failed"])
+    assert report["families"]["format_only"]["sample"]["response"].startswith("#### ")
 
 
 def test_unicode_digits_are_caught_on_the_lookalike_family(files):
