@@ -331,8 +331,26 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class JudgeConfig:
+    prompt_template: Optional[str] = None  # {question} {response} {reference}; None = built-in per parser
+    parser: str = "yes_no"  # yes_no | number
+    yes_word: str = "yes"
+    no_word: str = "no"
+    score_min: float = 0.0
+    score_max: float = 10.0
+    max_prompt_length: int = 1024
+    max_new_tokens: int = 16
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.2
+    free_cache_engine: bool = True
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
+    style: str = "discriminative"  # discriminative | generative
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size_per_gpu: int = 16
     max_length: Optional[int] = None

@@ -56,6 +56,7 @@ __all__ = [
     "ABILITY",
     "DATA_SOURCE",
     "DEFAULT_SPEC",
+    "HEDGING_SPEC",
     "QUICK_SPEC",
     "VERSION",
     "BuiltinAssets",
@@ -94,7 +95,8 @@ class BuiltinSpec:
     num_kv_heads: int = 4
     intermediate_size: int = 256
     # pre-training on the sloppy corpus
-    p_correct: float = 0.2  # share of corpus answers that are right; the rest are one too high
+    p_correct: float = 0.2  # share of corpus answers that are right; the rest are one too high ...
+    p_hedge: float = 0.0  # ... or a hedge, "<right> or <right + 1>" (which a last-number scorer marks wrong)
     steps: int = 400
     problems_per_step: int = 64  # each problem is seen with both of its answers per step
     lr: float = 5e-3
@@ -102,7 +104,14 @@ class BuiltinSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, less a zero `p_hedge` (added later: the specs without hedges keep their digests)."""
+        fields = asdict(self)
+        if not fields["p_hedge"]:
+            del fields["p_hedge"]
+        return fields
 
 
 DEFAULT_SPEC = BuiltinSpec()
@@ -116,6 +125,18 @@ QUICK_SPEC = BuiltinSpec(
     steps=10,
     warmup_steps=2,
 )
+# A model that sometimes hedges: corpus answers are right 10%, a hedge ("12 or 13" for 7 + 5) 45%, one
+# too high the rest. The true scorer (last number) marks the hedge wrong; a reward that pays for any
+# right number in the response pays for it, and teaches the model to hedge (tests/trainer/test_gameable_reward.py).
+HEDGING_SPEC = BuiltinSpec(p_correct=0.1, p_hedge=0.45)
+
+
+def _corpus_answers(answer: int, spec: BuiltinSpec) -> list[tuple[str, float]]:
+    """The sloppy corpus's answers to one problem, with their shares."""
+    answers = [(str(answer), spec.p_correct), (str(answer + 1), 1.0 - spec.p_correct - spec.p_hedge)]
+    if spec.p_hedge:
+        answers.append((f"{answer} or {answer + 1}", spec.p_hedge))
+    return answers
 
 
 @dataclass(frozen=True)
@@ -263,15 +284,13 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eos = tokenizer.eos_token_id
 
-    # Two sequences per problem: the right answer (weight p) and the one-too-high answer (1 - p).
+    # One sequence per corpus answer of each problem: the right answer (weight p_correct), the
+    # one-too-high answer and, with p_hedge, the hedge.
     seqs, starts, weights = [], [], []
     for p in problems:
         prompt = _encode(tokenizer, p)
-        for value, weight in (
-            (p.answer, spec.p_correct),
-            (p.answer + 1, 1.0 - spec.p_correct),
-        ):
-            seqs.append(prompt + tokenizer.encode(str(value), add_special_tokens=False) + [eos])
+        for text, weight in _corpus_answers(p.answer, spec):
+            seqs.append(prompt + tokenizer.encode(text, add_special_tokens=False) + [eos])
             starts.append(len(prompt))
             weights.append(weight)
     n, length = len(seqs), max(map(len, seqs))
@@ -283,40 +302,55 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
     weights_t = torch.tensor(weights)
 
     backbone, head = model.get_decoder(), model.get_output_embeddings()
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
-
-    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 0
-        return min(1.0, (step + 1) / spec.warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator().manual_seed(spec.seed)
     per_step = min(spec.problems_per_step, len(problems))
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(spec.steps):
+    per_problem = len(seqs) // len(problems)
+
+    def batch_loss() -> torch.Tensor:
         chosen = torch.randperm(len(problems), generator=gen)[:per_step]
-        rows = torch.stack([2 * chosen, 2 * chosen + 1], dim=1).reshape(-1)
+        rows = (per_problem * chosen[:, None] + torch.arange(per_problem)).reshape(-1)
         x, sel = ids[rows], target_mask[rows]
         hidden = backbone(input_ids=x).last_hidden_state[:, :-1]
         logits = head(hidden[sel])  # the LM head only where an answer token is predicted
         nll = F.cross_entropy(logits, x[:, 1:][sel], reduction="none")
         row_weight = weights_t[rows][:, None].expand_as(sel)[sel]
-        loss = (nll * row_weight).sum() / per_step  # expected NLL of one corpus answer per problem
+        return (nll * row_weight).sum() / per_step  # expected NLL of one corpus answer per problem
+
+    loss = _fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
+    model.save_pretrained(str(model_dir))
+    return {
+        "final_loss": round(loss.item(), 4),
+        "entropy_floor": round(_entropy([w for _, w in _corpus_answers(0, spec)]), 4),
+    }
+
+
+def _fit(model, steps: int, lr: float, warmup_steps: int, batch_loss: Callable[[], Any]):
+    """`steps` AdamW steps (betas 0.9/0.98, no weight decay; linear warm-up to `lr`, cosine decay to 0;
+    gradients clipped at norm 1) on `batch_loss()`, a fresh batch's loss each call; the model is left in
+    eval mode. Returns the last loss."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 0
+        return min(1.0, (step + 1) / warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        loss = batch_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
     model.eval()
-    model.save_pretrained(str(model_dir))
-    return {
-        "final_loss": round(loss.item(), 4),
-        "entropy_floor": round(_binary_entropy(spec.p_correct), 4),
-    }
+    return loss
 
 
-def _binary_entropy(p: float) -> float:
-    return -sum(q * math.log(q) for q in (p, 1.0 - p) if q > 0)
+def _entropy(shares: list[float]) -> float:
+    return -sum(q * math.log(q) for q in shares if q > 0)
 
 
 def _greedy_answers(model_dir: Path, problems: list[Problem], max_new_tokens: int = 4) -> list[str]:
@@ -345,12 +379,17 @@ def _greedy_answers(model_dir: Path, problems: list[Problem], max_new_tokens: in
     return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
 
 
-def _base_model_report(model_dir: Path, train: list[Problem], val: list[Problem]) -> dict:
+def _base_model_report(model_dir: Path, train: list[Problem], val: list[Problem], hedges: bool = False) -> dict:
     from hflow.utils.reward_score.arithmetic import compute_score, extract_answer
 
     report = {}
     for name, problems in (("train", train), ("val", val)):
-        answers = _greedy_answers(model_dir, problems)
+        answers = _greedy_answers(model_dir, problems, max_new_tokens=8 if hedges else 4)
+        if hedges:  # how often the greedy answer is the hedge "<right> or <right + 1>"
+            report[f"greedy_hedge_{name}"] = round(
+                sum(s.strip() == f"{p.answer} or {p.answer + 1}" for s, p in zip(answers, problems)) / len(problems),
+                4,
+            )
         report[f"greedy_acc_{name}"] = round(
             sum(compute_score(s, p.answer) for s, p in zip(answers, problems)) / len(problems),
             4,
@@ -392,9 +431,9 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
     with _quiet_transformers():
         stats = _pretrained_model(lambda: _build_model(model_dir, problems, spec), __name__, model_dir, spec)
         with _deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
-            base_model = _base_model_report(model_dir, train, val)
+            base_model = _base_model_report(model_dir, train, val, hedges=spec.p_hedge > 0)
 
-    info = {"version": VERSION, "spec": asdict(spec), "spec_digest": spec.digest(), "data_source": DATA_SOURCE}
+    info = {"version": VERSION, "spec": spec.as_dict(), "spec_digest": spec.digest(), "data_source": DATA_SOURCE}
     _finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
     logger.info(
         "built-in assets built in %.1f s: %s",

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import gc
 import random
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -57,19 +55,6 @@ def rollout_config(**overrides) -> DictConfig:
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world():
-    """A gloo world of one, initialised before the engine (which would otherwise create its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()  # vLLM's groups and the default one
 
 
 @pytest.fixture(scope="module")

@@ -211,6 +211,8 @@ class RayPPOTrainer:
         if self.use_reference_policy and not ref_in_actor:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.use_rm:
+            if self.config.reward_model.style == "generative":  # a chat model judges, on its own vLLM engine
+                from hflow.workers.generative_judge import GenerativeRewardModelWorker as RewardModelWorker
             roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
         self.worker_group = make_worker_group(trainer_cfg, create_colocated_worker_cls(roles), train_nodes,
                                               name="train_pool")
