@@ -19,8 +19,7 @@ from transformers import AutoConfig
 
 from hflow.agent.chat import ToolMessageEncoder
 from hflow.agent.parsers import ParsedTurn, ToolCall, ToolCallParser, register_parser
-from tests.workers.test_rollout import (  # noqa: F401  (fixture: world)
-    chat_prompt_ids, hf_log_probs, make_prompts, push, rollout_config, world)
+from tests.workers.test_rollout import chat_prompt_ids, hf_log_probs, make_prompts, push, rollout_config
 
 RESPONSE_LENGTH = 160
 MAX_TURNS = 2
@@ -112,7 +111,7 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def vllm_rollout(world, tiny_model_dir, tiny_tokenizer, tool_config):  # noqa: F811
+def vllm_rollout(world, tiny_model_dir, tiny_tokenizer, tool_config):
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
 
     rollout = vLLMRollout(str(tiny_model_dir), multi_turn_config(tool_config), tiny_tokenizer,
