@@ -325,7 +325,7 @@ class RewardNormalizeConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    enable: bool = False  # DAPO soft overlong punishment of long responses (training only)
+    enable: Optional[bool] = None  # DAPO soft overlong punishment (training only); None = on for reward_manager=dapo
     len: Optional[int] = None  # the buffer's tokens before data.max_response_length; null = a fifth of it
     penalty_factor: float = 1.0  # the penalty at data.max_response_length
 
@@ -366,6 +366,11 @@ class CustomRewardFunctionConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: Optional[float] = 30  # None: call the function in the driver, no limit (debugging, seeded controls)
     on_error: str = "raise"  # raise | zero
+    url: Optional[str] = None  # a remote scorer (hflow.workers.reward_manager.remote) instead of path
+    max_concurrency: int = 8  # remote: requests in flight at once
+    batch_size: int = 32  # remote: samples per request
+    request_timeout_s: float = 60  # remote: one request's limit (a timed-out request is retried)
+    max_retries: int = 3  # remote: retries after a connection error, a timeout or a 5xx (never after a 4xx)
 
 
 @dataclass

@@ -163,7 +163,7 @@ def build_trainer(config: DictConfig):
     val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files", tools=tools)
     train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
-    val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
+    val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1, training=False)
     return RayPPOTrainer(config, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset, collate_fn,
                          train_dataloader)
 

@@ -153,12 +153,23 @@ def preflight_check(config: DictConfig) -> None:
     # Import the reward file now, so that a syntax error, a wrong .name or a signature that the trainer
     # cannot call stops the run before the tokenizer and data load (the trainer reuses the loaded file).
     from hflow.workers.reward_manager import get_reward_manager_cls
-    from hflow.workers.reward_manager.loader import check_reward_fn_signature, get_custom_reward_fn
+    from hflow.workers.reward_manager.loader import (
+        check_reward_fn_signature,
+        get_custom_reward_fn,
+        get_remote_scorer,
+    )
 
     reward_fn = get_custom_reward_fn(config)
     get_reward_manager_cls(config.reward_model.reward_manager)  # a manager of the user's registers in that file
-    if config.reward_model.reward_manager == "naive":
-        check_reward_fn_signature(reward_fn)
+    check_reward_fn_signature(reward_fn, config.reward_model.reward_manager)
+    if config.custom_reward_function.url is not None:
+        try:
+            get_remote_scorer(config)  # the URL and the client's settings
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if config.custom_reward_function.path is not None:
+            raise ConfigError("custom_reward_function: set .path (a local function) or .url (a remote scorer), "
+                              "not both")
 
     # algorithm names
     known = [e.value for e in core_algos.AdvantageEstimator]
@@ -356,8 +367,8 @@ def check_rlhf_actor_details(config: DictConfig) -> None:
 
 
 def check_reward_sources(config: DictConfig) -> None:
-    """Without a custom reward function, every data source in the data needs a built-in scorer."""
-    if config.custom_reward_function.path is not None:
+    """Without a custom reward function or remote scorer, every data source in the data needs a built-in scorer."""
+    if config.custom_reward_function.path is not None or config.custom_reward_function.url is not None:
         return
     from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
     from hflow.utils.reward_score import SCORERS

@@ -328,7 +328,7 @@ def test_custom_reward_fn_errors_name_key_and_file(tmp_path):
 
 def test_registry(monkeypatch):
     assert get_reward_manager_cls("naive") is NaiveRewardManager
-    with pytest.raises(ValueError, match=r"reward_manager='fancy'.*\['naive'"):
+    with pytest.raises(ValueError, match=r"reward_manager='fancy'.*\['batch', 'dapo', 'naive'"):
         get_reward_manager_cls("fancy")
 
     monkeypatch.setitem(REWARD_MANAGERS, "test-only", NaiveRewardManager)

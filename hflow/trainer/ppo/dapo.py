@@ -1,13 +1,14 @@
 """DAPO's batch and reward details (Yu et al. 2025, "DAPO: an open-source LLM RL system at scale").
 
-Both are off by default and are plain functions the trainer calls:
+Both are off by default:
 
 * Dynamic sampling (`algorithm.filter_groups`): a prompt whose n samples all score the same gives
   GRPO a zero advantage everywhere, so its group only dilutes the batch. `informative_groups` keeps
   the groups whose metric varies; the trainer draws more prompts until the batch is full again and
   `take_groups` trims it to exactly `data.train_batch_size` prompts.
 * Soft overlong punishment (`reward_model.overlong_buffer`): responses that run into the last `len`
-  tokens before `data.max_response_length` lose up to `penalty_factor`, linearly in the overrun.
+  tokens before `data.max_response_length` lose up to `penalty_factor`, linearly in the overrun. The
+  training reward manager applies it (`hflow.workers.reward_manager.dapo`); this module checks its config.
 
 Scores are sequence-level: each sits on its sequence's last valid response token.
 """
@@ -18,8 +19,14 @@ import numpy as np
 import torch
 
 from hflow.protocol import DataProto
-from hflow.trainer.ppo.reward_shaping import last_valid_index
 from hflow.utils.errors import UserError
+# The overlong buffer is applied by the reward manager (the one place); its formula is re-exported here.
+from hflow.workers.reward_manager.dapo import (
+    apply_overlong_penalty,
+    overlong_buffer_enabled,
+    overlong_buffer_len,
+    overlong_penalty,
+)
 
 __all__ = [
     "apply_overlong_penalty",
@@ -63,12 +70,6 @@ def take_groups(batch: DataProto, num_groups: int) -> DataProto:
     return batch.select_idxs(np.array([uid in chosen for uid in uids], dtype=bool))
 
 
-def overlong_buffer_len(buffer_len: int | None, max_response_length: int) -> int:
-    """`reward_model.overlong_buffer.len`, or a fifth of `data.max_response_length` when null (DAPO's
-    4096 of 20480)."""
-    return int(max_response_length) // 5 if buffer_len is None else int(buffer_len)
-
-
 def check_dapo_config(config) -> None:
     """Preflight of `algorithm.filter_groups` and `reward_model.overlong_buffer` (config only)."""
     from hflow.config_schema import ConfigError
@@ -86,31 +87,9 @@ def check_dapo_config(config) -> None:
         if int(groups.max_num_gen_batches) < 0:
             raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), "
                               f"got {groups.max_num_gen_batches}")
-    if overlong.enable:
+    if overlong_buffer_enabled(config.reward_model):
         max_len = int(config.data.max_response_length)
         buffer_len = overlong_buffer_len(overlong.len, max_len)
         if not 0 < buffer_len < max_len:
             raise ConfigError(f"reward_model.overlong_buffer.len must be > 0 and < data.max_response_length={max_len}, "
                               f"got {buffer_len}" + (" (null: a fifth of it)" if overlong.len is None else ""))
-
-
-def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_len: int,
-                     penalty_factor: float) -> torch.Tensor:
-    """min(-(l - (L_max - len)) / len * penalty_factor, 0) per response of valid length l: 0 up to
-    L_max - len tokens, then down linearly to -penalty_factor at L_max."""
-    expected = max_response_length - buffer_len
-    exceed = response_lengths.to(torch.float32) - expected
-    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
-
-
-def apply_overlong_penalty(token_level_scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int,
-                           buffer_len: int, penalty_factor: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scores (a copy) with the overlong penalty added on each sequence's last valid token, and
-    `reward/overlong_penalty_mean` (over all responses) and `response/overlong_frac` (penalised ones)."""
-    penalty = overlong_penalty(response_mask.sum(-1), max_response_length, buffer_len, penalty_factor)
-    out = token_level_scores.clone()
-    rows = torch.arange(len(out), device=out.device)
-    out[rows, last_valid_index(response_mask)] += penalty.to(out.dtype)
-    metrics = {"reward/overlong_penalty_mean": penalty.mean().item() if len(penalty) else 0.0,
-               "response/overlong_frac": (penalty < 0).float().mean().item() if len(penalty) else 0.0}
-    return out, metrics

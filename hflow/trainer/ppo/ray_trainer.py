@@ -502,8 +502,8 @@ class RayPPOTrainer:
 
         The reward model (its scores normalised when `reward_model.normalize` is on) and `reward_fn` see
         each response cut after `algorithm.stop_token`; a response without it then scores
-        `algorithm.missing_stop_penalty` (when set). With `reward_model.overlong_buffer` on, long responses
-        lose DAPO's soft overlong penalty. `batch` itself stays as generated.
+        `algorithm.missing_stop_penalty` (when set). DAPO's soft overlong penalty, when on, is `reward_fn`'s
+        (the training reward manager's; see `hflow.workers.reward_manager.dapo`). `batch` stays as generated.
         """
         view, has_stop = batch, None
         if self.stop_token_id is not None:
@@ -515,12 +515,6 @@ class RayPPOTrainer:
         if has_stop is not None:
             scores, metrics = reward_shaping.finish_stop_token_scores(
                 scores, compute_response_mask(batch), has_stop, self.config.algorithm.missing_stop_penalty)
-        overlong = self.config.reward_model.overlong_buffer
-        if overlong.enable:  # DAPO: by the generated length (training only; validation scores the task alone)
-            scores, overlong_metrics = dapo.apply_overlong_penalty(
-                scores, compute_response_mask(batch), int(self.config.data.max_response_length),
-                dapo.overlong_buffer_len(overlong.len, self.config.data.max_response_length), float(overlong.penalty_factor))
-            metrics.update(overlong_metrics)
         return scores, reward, metrics
 
     def _rm_scores(self, batch: DataProto) -> DataProto:

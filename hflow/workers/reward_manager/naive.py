@@ -50,6 +50,10 @@ class NaiveRewardManager:
             (for debugging, or functions that cannot be pickled).
         on_error: ``"raise"`` stops at the first failure; ``"zero"`` scores failures 0 and counts them.
         num_workers: scoring processes; None means min(8, CPU count).
+        overlong_buffer: a `hflow.workers.reward_manager.dapo.OverlongBuffer`: DAPO's soft overlong penalty is
+            added to each score (the one place it is applied; see that module for when the loader sets it).
+        remote: a `hflow.workers.reward_manager.remote.RemoteScorer` that scores instead of a local function
+            (``custom_reward_function.url``); then `timeout_s` does not apply (the scorer has its own).
         **reward_kwargs: extra keyword arguments for every call.
 
     The function returns a number (bool, int, float) or a dict with a ``score`` key; the dict's other
@@ -67,8 +71,12 @@ class NaiveRewardManager:
         timeout_s: float | None = 30.0,
         on_error: str = "raise",
         num_workers: int | None = None,
+        overlong_buffer: Any = None,
+        remote: Any = None,
         **reward_kwargs: Any,
     ) -> None:
+        if remote is not None and compute_score is not None:
+            raise ValueError("custom_reward_function: set either .path (a local function) or .url (a remote scorer)")
         if on_error not in _ON_ERROR:
             raise ValueError(f"custom_reward_function.on_error={on_error!r}; choose one of {list(_ON_ERROR)}")
         if timeout_s is not None and not timeout_s > 0:
@@ -84,8 +92,11 @@ class NaiveRewardManager:
         self.on_error = on_error
         self.num_workers = num_workers or min(8, os.cpu_count() or 1)
         self.reward_kwargs = reward_kwargs
+        self.overlong_buffer = overlong_buffer
+        self.remote = remote
+        self.has_rule_fn = self.has_rule_fn or remote is not None
         self._pool: ScoringPool | None = None
-        if timeout_s is not None:
+        if timeout_s is not None and remote is None:
             # Fails now (not at the first step) if the function cannot reach a scoring process.
             self._pool = ScoringPool(self.compute_score, self.num_workers, timeout_s)
 
@@ -94,39 +105,17 @@ class NaiveRewardManager:
         lists) and ``reward_metrics`` (``reward/errors``: samples scored 0 after a failure)."""
         rm_scores = data.batch.get("rm_scores", None)
         if rm_scores is not None and not self.has_rule_fn:
+            reward_tensor, metrics = self._shape(data, rm_scores)
             return (
-                {"reward_tensor": rm_scores, "reward_extra_info": {}, "reward_metrics": {}}
+                {"reward_tensor": reward_tensor, "reward_extra_info": {}, "reward_metrics": metrics}
                 if return_dict
-                else rm_scores
+                else reward_tensor
             )
 
         prompt_len = data.batch["prompts"].shape[-1]
         responses = data.batch["responses"]
         response_lengths = data.batch["attention_mask"][:, prompt_len:].sum(-1).tolist()
-        solutions = self.tokenizer.batch_decode(
-            [responses[i, :length].tolist() for i, length in enumerate(response_lengths)], skip_special_tokens=True
-        )
-        episodes = data.non_tensor_batch.get("episode")
-        if episodes is not None:  # multi-turn: the final answer is judged, the whole episode is visible
-            solutions = [final_assistant_text(episode) for episode in episodes]
-        data_sources = self._column(data, self.reward_fn_key, "data.reward_fn_key")
-        ground_truths = [
-            _ground_truth(entry, i) for i, entry in enumerate(self._column(data, "reward_model", "the dataset"))
-        ]
-        extra_infos = data.non_tensor_batch.get("extra_info", np.full(len(data), None, dtype=object))
-        if episodes is not None:
-            extra_infos = [{**(info or {}), "episode": episode} for info, episode in zip(extra_infos, episodes)]
-        calls = [
-            dict(
-                data_source=data_sources[i],
-                solution_str=solutions[i],
-                ground_truth=ground_truths[i],
-                extra_info=extra_infos[i],
-                **self.reward_kwargs,
-            )
-            for i in range(len(data))
-        ]
-
+        calls = self._calls(data, prompt_len, response_lengths)
         scores, extras, failures = self._score(calls)
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32)
         for i, length in enumerate(response_lengths):
@@ -134,18 +123,16 @@ class NaiveRewardManager:
             reward_tensor[i, max(length - 1, 0)] = scores[i]
         if rm_scores is not None:
             reward_tensor = reward_tensor + rm_scores.to(torch.float32)
+        reward_tensor, metrics = self._shape(data, reward_tensor)
+        metrics["reward/errors"] = len(failures)
 
-        self._print_examples(data, prompt_len, solutions, data_sources, ground_truths, scores, extras)
+        self._print_examples(data, prompt_len, calls, scores, extras)
         if not return_dict:
             return reward_tensor
         extra_info = _as_lists(extras)
         if self.on_error == "zero":
             extra_info["reward_error"] = [i in failures for i in range(len(data))]
-        return {
-            "reward_tensor": reward_tensor,
-            "reward_extra_info": extra_info,
-            "reward_metrics": {"reward/errors": len(failures)},
-        }
+        return {"reward_tensor": reward_tensor, "reward_extra_info": extra_info, "reward_metrics": metrics}
 
     def close(self) -> None:
         """Stop the scoring processes (they also stop when this manager is garbage-collected)."""
@@ -160,10 +147,57 @@ class NaiveRewardManager:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self.timeout_s is not None:
+        if self.timeout_s is not None and self.remote is None:
             self._pool = ScoringPool(self.compute_score, self.num_workers, self.timeout_s)
 
+    # ---- what subclasses override -----------------------------------------------------------------
+
+    def _calls(self, data: DataProto, prompt_len: int, response_lengths: list[int]) -> list[dict[str, Any]]:
+        """Per sample, the keyword arguments of its scoring call (`reward_kwargs` included). A multi-turn
+        sample (non-tensor ``episode``) is judged by its last assistant message, and its extra_info
+        carries the whole episode."""
+        responses = data.batch["responses"]
+        solutions = self.tokenizer.batch_decode(
+            [responses[i, :length].tolist() for i, length in enumerate(response_lengths)], skip_special_tokens=True
+        )
+        episodes = data.non_tensor_batch.get("episode")
+        if episodes is not None:  # multi-turn: the final answer is judged, the whole episode is visible
+            solutions = [final_assistant_text(episode) for episode in episodes]
+        data_sources = self._column(data, self.reward_fn_key, "data.reward_fn_key")
+        ground_truths = [
+            _ground_truth(entry, i) for i, entry in enumerate(self._column(data, "reward_model", "the dataset"))
+        ]
+        extra_infos = data.non_tensor_batch.get("extra_info", np.full(len(data), None, dtype=object))
+        if episodes is not None:
+            extra_infos = [{**(info or {}), "episode": episode} for info, episode in zip(extra_infos, episodes)]
+        return [
+            dict(
+                data_source=data_sources[i],
+                solution_str=solutions[i],
+                ground_truth=ground_truths[i],
+                extra_info=extra_infos[i],
+                **self.reward_kwargs,
+            )
+            for i in range(len(data))
+        ]
+
+    def _outcomes(self, calls: list[dict[str, Any]]) -> list[CallResult | None]:
+        """One outcome per call (None: not run, an earlier failure stopped the batch): the remote scorer's,
+        or the function's, one call per sample (in the scoring processes, or inline without a timeout)."""
+        if self.remote is not None:
+            return self.remote.score(calls)
+        if self._pool is None:
+            return [_call_inline(self.compute_score, call) for call in calls]
+        return self._pool.map(calls, stop_on_error=self.on_error == "raise")
+
     # ---- internals -------------------------------------------------------------------------------
+
+    def _shape(self, data: DataProto, reward_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The overlong buffer's penalty added (when this manager has one), and its metrics."""
+        if self.overlong_buffer is None:
+            return reward_tensor, {}
+        prompt_len = data.batch["prompts"].shape[-1]
+        return self.overlong_buffer.apply(reward_tensor, data.batch["attention_mask"][:, prompt_len:])
 
     @staticmethod
     def _column(data: DataProto, key: str, source: str) -> np.ndarray:
@@ -175,10 +209,7 @@ class NaiveRewardManager:
 
     def _score(self, calls: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, Any]], dict[int, str]]:
         """Run every call; per sample its score and extra keys, plus {index: reason} for failures."""
-        if self._pool is None:
-            outcomes = [_call_inline(self.compute_score, call) for call in calls]
-        else:
-            outcomes = self._pool.map(calls, stop_on_error=self.on_error == "raise")
+        outcomes = self._outcomes(calls)
         scores, extras, failures = [0.0] * len(calls), [{} for _ in calls], {}
         for i, outcome in enumerate(outcomes):
             if outcome is None:  # not run: an earlier failure stopped the batch
@@ -194,7 +225,7 @@ class NaiveRewardManager:
             reason = _one_line(failures[first])
             if self.on_error == "raise":
                 raise RewardFunctionError(
-                    f"reward function {self.compute_score!r} failed on {where}: {reason}; fix the function, or "
+                    f"reward function {self.remote or self.compute_score!r} failed on {where}: {reason}; fix the function, or "
                     "set custom_reward_function.on_error=zero to score such samples 0"
                 )
             print(
@@ -207,21 +238,21 @@ class NaiveRewardManager:
         self,
         data: DataProto,
         prompt_len: int,
-        solutions: list[str],
-        data_sources: np.ndarray,
-        ground_truths: list[Any],
+        calls: list[dict[str, Any]],
         scores: list[float],
         extras: list[dict[str, Any]],
     ) -> None:
         printed: dict[str, int] = {}
-        for i, data_source in enumerate(data_sources):
+        for i, call in enumerate(calls):
+            data_source = call["data_source"]
             if printed.get(data_source, 0) >= self.num_examine:
                 continue
             printed[data_source] = printed.get(data_source, 0) + 1
             prompt_mask = data.batch["attention_mask"][i, :prompt_len].bool()
             prompt = self.tokenizer.decode(data.batch["prompts"][i][prompt_mask].tolist(), skip_special_tokens=True)
             print(
-                f"[prompt] {prompt}\n[response] {solutions[i]}\n[ground_truth] {ground_truths[i]}\n[score] {scores[i]}"
+                f"[prompt] {prompt}\n[response] {call['solution_str']}\n[ground_truth] {call['ground_truth']}\n"
+                f"[score] {scores[i]}"
             )
             for key, value in extras[i].items():
                 print(f"[{key}] {value}")
