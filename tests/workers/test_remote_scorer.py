@@ -82,7 +82,7 @@ def start_server(script, score=lambda item: float(item["solution_str"].endswith(
     srv.script, srv.score, srv.bodies, srv.lock, srv.in_flight, srv.max_in_flight = (
         script, score, [], threading.Lock(), 0, 0)
     srv.url = f"http://127.0.0.1:{srv.server_address[1]}/score"
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return srv
 
 
