@@ -161,7 +161,6 @@ def preflight_check(config: DictConfig) -> None:
 
     reward_fn = get_custom_reward_fn(config)
     get_reward_manager_cls(config.reward_model.reward_manager)  # a manager of the user's registers in that file
-    check_reward_fn_signature(reward_fn, config.reward_model.reward_manager)
     if config.custom_reward_function.url is not None:
         try:
             get_remote_scorer(config)  # the URL and the client's settings
@@ -170,6 +169,7 @@ def preflight_check(config: DictConfig) -> None:
         if config.custom_reward_function.path is not None:
             raise ConfigError("custom_reward_function: set .path (a local function) or .url (a remote scorer), "
                               "not both")
+    check_reward_fn_signature(reward_fn, config.reward_model.reward_manager)
 
     # algorithm names
     known = [e.value for e in core_algos.AdvantageEstimator]

@@ -235,3 +235,26 @@ def test_dapo_preflight_checks_the_buffer_it_turns_on():
         trainer_dapo.check_dapo_config(config)
     OmegaConf.update(config, "reward_model.overlong_buffer.enable", False)
     trainer_dapo.check_dapo_config(config)
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["custom_reward_function.url=127.0.0.1:8000"], "custom_reward_function.url='127.0.0.1:8000': give an http"),
+    (["custom_reward_function.url=http://127.0.0.1:1", "custom_reward_function.max_retries=-1"], "max_retries=-1"),
+    (["custom_reward_function.url=http://127.0.0.1:1", "custom_reward_function.path={batch_file}",
+      "custom_reward_function.name=batch_exact"], "not both"),
+    (["reward_model.reward_manager=batch", "custom_reward_function.path={batch_file}",
+      "custom_reward_function.name=per_sample"], "passes lists"),
+])
+def test_preflight_checks_the_remote_scorer_and_the_batch_signature(batch_file, overrides, named):
+    from hydra import compose, initialize_config_dir
+
+    from hflow.config_schema import ConfigError, validate_config
+    from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
+    from hflow.trainer.preflight import preflight_check
+
+    overrides = [o.format(batch_file=batch_file) for o in overrides]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = validate_config(compose(config_name="ppo_trainer", overrides=overrides))
+    fill_builtin_defaults(config, frozenset(o.split("=")[0] for o in overrides))
+    with pytest.raises((ConfigError, RewardSignatureError), match=named):
+        preflight_check(config)
