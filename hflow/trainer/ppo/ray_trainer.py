@@ -27,6 +27,7 @@ from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGro
 from hflow.algorithms import core_algos
 from hflow.config_schema import placement_pools
 from hflow.trainer.ppo import dapo, reward_shaping
+from hflow.workers.reward_manager.dapo import GENERATED_RESPONSE_MASK
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -510,6 +511,8 @@ class RayPPOTrainer:
             view, has_stop = reward_shaping.stop_token_view(batch, self.stop_token_id, self.tokenizer.pad_token_id)
         if self.use_rm:
             view = view.union(self._rm_scores(view))
+        if has_stop is not None:  # the overlong buffer measures the responses as generated, not as cut
+            view.batch[GENERATED_RESPONSE_MASK] = compute_response_mask(batch)
         reward = reward_fn(view, return_dict=True)
         scores, metrics = reward["reward_tensor"], {}
         if has_stop is not None:

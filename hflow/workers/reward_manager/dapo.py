@@ -11,8 +11,9 @@ gets the buffer when ``reward_model.overlong_buffer.enable`` is true, or when it
 So ``reward_manager=dapo`` turns the buffer on, ``dapo`` with ``overlong_buffer.enable=false`` is naive, and
 ``naive`` with ``overlong_buffer.enable=true`` keeps the penalty it always had.
 
-The length is the response the manager sees: with ``algorithm.stop_token`` set, the response up to that
-token.
+The length is the response as generated: the batch's ``generated_response_mask`` when the trainer shows the
+manager a cut view (``algorithm.stop_token``), else the response the manager sees. With a stop token and
+``algorithm.missing_stop_penalty``, a response without the stop token scores that penalty alone.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any
 
 import torch
 
-from hflow.workers.reward_manager.naive import NaiveRewardManager
+from hflow.workers.reward_manager.naive import GENERATED_RESPONSE_MASK, NaiveRewardManager
 from hflow.workers.reward_manager.registry import register
 
-__all__ = ["DAPORewardManager", "OverlongBuffer", "apply_overlong_penalty", "overlong_buffer_len", "overlong_penalty"]
+__all__ = ["DAPORewardManager", "GENERATED_RESPONSE_MASK", "OverlongBuffer", "apply_overlong_penalty", "overlong_buffer_len",
+           "overlong_penalty"]
 
 
 def overlong_buffer_len(buffer_len: int | None, max_response_length: int) -> int:

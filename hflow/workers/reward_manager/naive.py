@@ -30,6 +30,9 @@ from hflow.workers.reward_manager.registry import register
 __all__ = ["NaiveRewardManager", "RewardFunctionError"]
 
 _ON_ERROR = ("raise", "zero")
+# A tensor the trainer adds to a cut view of the batch (algorithm.stop_token): the response mask as generated
+# (N, L), which the overlong buffer measures.
+GENERATED_RESPONSE_MASK = "generated_response_mask"
 
 
 class RewardFunctionError(UserError, RuntimeError):
@@ -196,8 +199,10 @@ class NaiveRewardManager:
         """The overlong buffer's penalty added (when this manager has one), and its metrics."""
         if self.overlong_buffer is None:
             return reward_tensor, {}
-        prompt_len = data.batch["prompts"].shape[-1]
-        return self.overlong_buffer.apply(reward_tensor, data.batch["attention_mask"][:, prompt_len:])
+        mask = data.batch.get(GENERATED_RESPONSE_MASK, None)
+        if mask is None:
+            mask = data.batch["attention_mask"][:, data.batch["prompts"].shape[-1]:]
+        return self.overlong_buffer.apply(reward_tensor, mask)
 
     @staticmethod
     def _column(data: DataProto, key: str, source: str) -> np.ndarray:
