@@ -74,11 +74,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a client that gave up on a slow answer closes the socket the handler then writes to
+
+
 def start_server(script, score=lambda item: float(item["solution_str"].endswith(item["ground_truth"]))):
     """A scoring server on 127.0.0.1 answering by `script` (see `_Handler`) with `score` per item; `.url`,
     `.bodies` (the requests), `.max_in_flight`; stop it with `shutdown()` and `server_close()`."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    srv.daemon_threads = True
+    srv = _QuietServer(("127.0.0.1", 0), _Handler)
     srv.script, srv.score, srv.bodies, srv.lock, srv.in_flight, srv.max_in_flight = (
         script, score, [], threading.Lock(), 0, 0)
     srv.url = f"http://127.0.0.1:{srv.server_address[1]}/score"
