@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.workers.test_rollout import (  # noqa: F401  (world is a fixture)
+from tests.workers.test_rollout import (
     LONG_CONTEXT,
     PARITY_TOL,
     PROMPT_LENGTH,
@@ -22,7 +22,6 @@ from tests.workers.test_rollout import (  # noqa: F401  (world is a fixture)
     perturb_,
     push,
     rollout_config,
-    world,
 )
 
 
