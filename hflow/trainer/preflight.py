@@ -266,6 +266,9 @@ def preflight_check(config: DictConfig) -> None:
         raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
+        from hflow.utils.judge import check_judge_config
+
+        check_judge_config(config.reward_model)
     check_reward_shaping(config)
     check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
     check_choice(config.custom_reward_function.on_error, ("raise", "zero"), "custom_reward_function.on_error")

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 PARSERS = ("yes_no", "number")
+STYLES = ("discriminative", "generative")  # reward_model.style
 
 _ASK_YES_NO = "Is the response correct? Answer yes or no."
 _ASK_NUMBER = "Rate the response from {score_min:g} to {score_max:g}. Answer with the number only."
@@ -99,3 +100,18 @@ def reference_text(reward_model_entry: Any) -> str | None:
         truth = reward_model_entry.get("ground_truth")
         return None if truth is None else str(truth)
     return None
+
+
+def check_judge_config(config: Any) -> None:
+    """`reward_model.style` and, for a generative judge, its parser and score range (preflight and the
+    worker both apply it, so a wrong key stops the run before any model loads)."""
+    from hflow.config_schema import ConfigError, check_choice
+
+    check_choice(str(config.style), STYLES, "reward_model.style")
+    if str(config.style) != "generative":
+        return
+    judge = config.judge
+    check_choice(str(judge.parser), PARSERS, "reward_model.judge.parser")
+    if float(judge.score_min) >= float(judge.score_max):
+        raise ConfigError(f"reward_model.judge.score_min={judge.score_min} must be < "
+                          f"reward_model.judge.score_max={judge.score_max}")

@@ -46,7 +46,7 @@ from hflow.config_schema import check_choice, default_section
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, register
 from hflow.utils.device import is_cuda
-from hflow.utils.judge import PARSERS, parse_number, question_text, reference_text, render_judge_prompt, yes_no_probability
+from hflow.utils.judge import check_judge_config, parse_number, question_text, reference_text, render_judge_prompt, yes_no_probability
 from hflow.workers.config import normalize_reward_model
 from hflow.workers.fsdp_workers import RewardModelWorker, _last_valid_index, _load_tokenizer
 
@@ -54,7 +54,6 @@ __all__ = ["GenerativeRewardModelWorker", "VLLMJudge"]
 
 logger = logging.getLogger(__name__)
 
-STYLES = ("discriminative", "generative")
 
 
 class VLLMJudge:
@@ -164,17 +163,6 @@ class VLLMJudge:
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
-
-
-def check_judge_config(config: DictConfig) -> None:
-    """`reward_model.style` and, for a generative judge, its parser and score range."""
-    check_choice(str(config.style), STYLES, "reward_model.style")
-    if str(config.style) != "generative":
-        return
-    judge = config.judge
-    check_choice(str(judge.parser), PARSERS, "reward_model.judge.parser")
-    if float(judge.score_min) >= float(judge.score_max):
-        raise ValueError(f"reward_model.judge.score_min={judge.score_min} must be < score_max={judge.score_max}")
 
 
 class GenerativeRewardModelWorker(RewardModelWorker):

@@ -189,6 +189,8 @@ def run_main_ppo(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[
 
     monkeypatch.setattr(main_ppo, "build_trainer", built)  # after preflight, before the tokenizer and workers
     monkeypatch.setattr(main_ppo, "install_library_filter", lambda: None)
+    # Nothing here starts Ray; an error exit must not stop the session's Ray that later tests share
+    monkeypatch.setattr(main_ppo, "_stop_ray", lambda: None)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
     quiet = ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null",

@@ -125,6 +125,11 @@ CASES = [
      ["trainer.resume_from_path", "global_step_9 (no such folder)"]),
     ("config-file-that-does-not-exist", PPO, ["--config-name", "ppo_trainr"],
      ["--config-name ppo_trainr", "ppo_trainer"]),
+    ("unknown-reward-style", PPO, ["reward_model.enable=true", "reward_model.model.path={files}/no_tokenizer", "reward_model.style=llm"],
+     ["reward_model.style='llm'", "generative"]),
+    ("unknown-judge-parser", PPO, ["reward_model.enable=true", "reward_model.model.path={files}/no_tokenizer",
+                                   "reward_model.style=generative", "reward_model.judge.parser=grade"],
+     ["reward_model.judge.parser='grade'", "yes_no"]),
     # multi-turn agent rollouts
     ("tool-config-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/no.yaml"],
      ["actor_rollout_ref.rollout.multi_turn.tool_config_path", "no.yaml", "no such file"]),
