@@ -42,7 +42,7 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.config_schema import check_choice, default_section
+from hflow.config_schema import default_section
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, register
 from hflow.utils.device import is_cuda
