@@ -155,6 +155,14 @@ def check_token_in_token_out(output, tokenizer, prompts, turns: dict[int, list[l
     assert any(e["num_turns"] > 1 for e in episodes), "no episode called a tool: nothing multi-turn was tested"
 
 
+def check_sampler_log_probs(output, model) -> None:
+    """(a) The trainer's log-probs of the sampled tokens are the sampler's; tool tokens carry none."""
+    mask = output.batch["response_mask"].bool()
+    trainer = hf_log_probs(model, output, temperature=0.8)
+    assert (trainer - output.batch["rollout_log_probs"]).abs()[mask].max().item() < PARITY_TOL
+    assert (output.batch["rollout_log_probs"][~mask] == 0).all()
+
+
 def test_vllm_episode_is_token_in_token_out_with_sampler_log_probs(vllm_rollout, tiny_tokenizer, hf_model, monkeypatch):
     import hflow.workers.rollout.vllm_rollout as module
 
@@ -165,11 +173,7 @@ def test_vllm_episode_is_token_in_token_out_with_sampler_log_probs(vllm_rollout,
     output = vllm_rollout.generate_sequences(prompts)
 
     check_token_in_token_out(output, tiny_tokenizer, chat_prompt_ids(tiny_tokenizer, QUESTIONS), recorder.turns, n=4)
-    # (a) the trainer's log-probs of the sampled tokens are the sampler's
-    mask = output.batch["response_mask"].bool()
-    trainer = hf_log_probs(hf_model, output, temperature=0.8)
-    assert (trainer - output.batch["rollout_log_probs"]).abs()[mask].max().item() < PARITY_TOL
-    assert (output.batch["rollout_log_probs"][~mask] == 0).all()
+    check_sampler_log_probs(output, hf_model)
     metrics = output.meta_info["metrics"]
     assert metrics["agent/num_turns/max"] <= MAX_TURNS and metrics["agent/tool_calls/mean"] > 0
     assert metrics["agent/ended/max_assistant_turns"] > 0, f"no episode reached the turn limit: {metrics} {[[len(t) for t in recorder.turns[k]] for k in recorder.turns]}"
@@ -186,9 +190,7 @@ def test_hf_rollout_runs_the_same_loop(tool_config, tiny_tokenizer, hf_model, mo
     output = rollout.generate_sequences(prompts)
 
     check_token_in_token_out(output, tiny_tokenizer, chat_prompt_ids(tiny_tokenizer, QUESTIONS), recorder.turns, n=2)
-    mask = output.batch["response_mask"].bool()
-    trainer = hf_log_probs(hf_model, output, temperature=0.8)
-    assert (trainer - output.batch["rollout_log_probs"]).abs()[mask].max().item() < PARITY_TOL
+    check_sampler_log_probs(output, hf_model)
 
 
 def test_tool_tokens_get_exactly_zero_gradient(vllm_rollout, tiny_tokenizer, tiny_model_dir: Path):

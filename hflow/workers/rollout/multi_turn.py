@@ -62,7 +62,7 @@ class MultiTurnRollout:
         n = settings.n
         ids = [row for row in prompt_token_ids(prompts) for _ in range(n)]
         kwargs = prompts.non_tensor_batch.get("tools_kwargs")
-        tools_kwargs = [_as_dict(k) for k in kwargs for _ in range(n)] if kwargs is not None else None
+        tools_kwargs = [_as_dict(k, i) for i, k in enumerate(kwargs) for _ in range(n)] if kwargs is not None else None
         eos = prompts.meta_info["eos_token_id"]
         started = time.perf_counter()
         episodes = self.loop.run(engine, ids, eos_token_ids=[int(t) for t in np.atleast_1d(eos)],
@@ -84,9 +84,10 @@ class MultiTurnRollout:
         return output
 
 
-def _as_dict(value: Any) -> Mapping[str, Any]:
+def _as_dict(value: Any, row: int) -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"extra_info.tools_kwargs must be a mapping of tool name -> kwargs, got {type(value).__name__}")
+        raise ValueError(f"extra_info.tools_kwargs of prompt {row} in this batch is a {type(value).__name__}; give a "
+                         "mapping of tool name -> {create_kwargs: {...}, execute_kwargs: {...}} (or leave it out)")
     return value
