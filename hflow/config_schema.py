@@ -247,6 +247,7 @@ class RolloutConfig:
     load_format: str = "dummy"
     seed: int = 0
     calculate_log_probs: bool = True
+    partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
@@ -419,7 +420,7 @@ class TrainerConfig:
     threads_per_worker: Optional[int] = None
     placement: str = "colocate"  # colocate | split
     rollout_n_gpus: int = 1  # split: devices of the rollout pool
-    async_steps: int = 0  # 0 | 1 (split only)
+    async_steps: int = 0  # k >= 0: train on rollouts at most k policy versions old (k >= 1: split only)
     total_epochs: int = 1
     total_training_steps: Optional[int] = None
     critic_warmup: int = 0
@@ -737,11 +738,11 @@ def placement_pools(nnodes: int, n_gpus_per_node: int, placement: str, rollout_n
 def check_placement(trainer: Any, rollout_name: str, tp: int, batch_prompts: int, n: int) -> tuple[int, int]:
     """`trainer.placement`, `.rollout_n_gpus` and `.async_steps`; returns (training ranks, rollout ranks)."""
     check_choice(trainer.placement, PLACEMENTS, "trainer.placement")
-    if int(trainer.async_steps) not in (0, 1):
-        raise ConfigError(f"trainer.async_steps must be 0 or 1, got {trainer.async_steps}")
+    if int(trainer.async_steps) < 0:
+        raise ConfigError(f"trainer.async_steps must be >= 0 (0 = synchronous), got {trainer.async_steps}")
     if int(trainer.async_steps) and trainer.placement != "split":
-        raise ConfigError("trainer.async_steps=1 generates the next batch while this one trains, which needs "
-                          "devices of its own for generation: set trainer.placement=split")
+        raise ConfigError(f"trainer.async_steps={trainer.async_steps} generates later batches while this one trains, "
+                          "which needs devices of its own for generation: set trainer.placement=split")
     if trainer.placement == "split":
         if trainer.backend != "ray":
             raise ConfigError("trainer.placement=split runs two pools of worker processes: it needs trainer.backend=ray")

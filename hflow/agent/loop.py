@@ -74,6 +74,7 @@ class Episode:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1 = sampled by the policy, 0 = tool message
     log_probs: list[float] = field(default_factory=list)  # sampler log-prob, 0.0 on tool tokens
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each token; -1: tool token or unknown
     messages: list[dict[str, Any]] = field(default_factory=list)  # assistant and tool messages, for rewards and logs
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     assistant_turns: int = 0
@@ -93,15 +94,18 @@ class Episode:
     def truncated(self) -> bool:
         return self.ended == "length"
 
-    def add_sampled(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+    def add_sampled(self, ids: Sequence[int], log_probs: Sequence[float] | None,
+                    versions: Sequence[int] | None = None) -> None:
         self.response_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+        self.versions.extend(versions if versions is not None else [-1] * len(ids))
 
     def add_tool(self, ids: Sequence[int]) -> None:
         self.response_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.log_probs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
 
     def summary(self) -> dict[str, Any]:
         """The episode for rewards (`extra_info["episode"]`) and logs: JSON-serialisable."""
@@ -122,6 +126,7 @@ class TurnResult:
     token_ids: list[int]
     log_probs: list[float] | None
     stopped: bool  # ended with a stop token (False: cut by max_tokens)
+    versions: list[int] | None = None  # per token, the policy version that sampled it (engines that know)
 
 
 class TurnEngine(ABC):
@@ -262,7 +267,7 @@ class AgentLoop:
     def _end_turn(self, episode: Episode, result: TurnResult, eos_token_ids: Sequence[int]) -> tuple[list, list[str]] | None:
         """Record a finished assistant turn; returns its (calls, malformed) when tools must run next."""
         ids = result.token_ids
-        episode.add_sampled(ids, result.log_probs)
+        episode.add_sampled(ids, result.log_probs, result.versions)
         episode.assistant_turns += 1
         body = ids[:-1] if result.stopped and ids and ids[-1] in eos_token_ids else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)

@@ -219,13 +219,7 @@ def preflight_check(config: DictConfig) -> None:
     tp = int(rollout.tensor_model_parallel_size)
     world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
     check_node_resources(config)
-    if int(trainer.async_steps) and algo.adv_estimator == "remax":
-        raise ConfigError("algorithm.adv_estimator=remax generates its greedy baseline beside the sampled batch, "
-                          "with the same weights; it does not work with trainer.async_steps=1")
-    if int(trainer.async_steps) and (algo.reuse_update_log_probs or algo.use_rollout_log_probs):
-        raise ConfigError(
-            "trainer.async_steps=1 trains on rollouts sampled one update earlier, so the old log-probs must be "
-            "recomputed by the actor: set algorithm.reuse_update_log_probs=false and algorithm.use_rollout_log_probs=false")
+    check_asynchrony(config)
 
     # batch sizes (global prompts -> per-rank sequences)
     check_train_batch(batch, n, world)
@@ -439,3 +433,27 @@ def check_multi_turn(multi_turn: DictConfig) -> None:
         raise ConfigError(f"{prefix}.tool_config_path={multi_turn.tool_config_path}: no such file; point it at a "
                           "YAML with a 'tools:' list, or leave it null for the built-in calculator")
     load_rollout_tools(multi_turn)  # ConfigError naming the file, the tool and the key
+
+
+def check_asynchrony(config: DictConfig) -> None:
+    """`trainer.async_steps` and `rollout.partial_rollout`: what training on older rollouts needs."""
+    trainer, algo, rollout = config.trainer, config.algorithm, config.actor_rollout_ref.rollout
+    k = int(trainer.async_steps)
+    if k and algo.adv_estimator == "remax":
+        raise ConfigError("algorithm.adv_estimator=remax generates its greedy baseline beside the sampled batch, "
+                          f"with the same weights; it does not work with trainer.async_steps={k}")
+    if k and (algo.reuse_update_log_probs or algo.use_rollout_log_probs):
+        raise ConfigError(
+            f"trainer.async_steps={k} trains on rollouts sampled up to {k} updates earlier, so the old log-probs must "
+            "be recomputed by the actor: set algorithm.reuse_update_log_probs=false and algorithm.use_rollout_log_probs=false")
+    if k > 1 and not (rollout.calculate_log_probs and algo.rollout_is):
+        # Decoupled PPO: the clip is taken against the recomputed (proximal) policy, and the sampler's own
+        # log-probs weight each token by pi_proximal / pi_behaviour; without them the bias grows with k.
+        raise ConfigError(
+            f"trainer.async_steps={k} trains on rollouts sampled by policies up to {k} updates old, which needs "
+            "their sampler log-probs to correct for it (decoupled PPO): set actor_rollout_ref.rollout.calculate_log_probs"
+            "=true and algorithm.rollout_is=token (or sequence), or use trainer.async_steps=1")
+    if rollout.partial_rollout and not k:
+        raise ConfigError("actor_rollout_ref.rollout.partial_rollout=true continues generations in flight with new "
+                          "weights, which only arrive during generation with trainer.placement=split and "
+                          "trainer.async_steps >= 1")

@@ -41,7 +41,7 @@ def _load_tokenizer(path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def generate_with(rollout, context, prompts: DataProto, generation_config, tokenizer) -> DataProto:
+def generate_with(rollout, context, prompts: DataProto, generation_config, tokenizer, **generate_kwargs) -> DataProto:
     """`rollout.generate_sequences` inside the generation `context` (a sharding manager: weights, RNG,
     tensor-parallel data layout), with the model's stop and pad ids and the phase's timings."""
     eos = getattr(generation_config, "eos_token_id", None)
@@ -51,7 +51,7 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
     with context:
         sync_s = getattr(context, "last_sync_s", 0.0)
         prompts = context.preprocess_data(prompts)
-        output = rollout.generate_sequences(prompts)
+        output = rollout.generate_sequences(prompts, **generate_kwargs)
         output = context.postprocess_data(output)
     output.meta_info["metrics"] = {
         **output.meta_info.get("metrics", {}),  # the rollout's own (multi-turn: agent/*)
@@ -348,14 +348,15 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self._weight_group = WeightGroup(master_addr, master_port, rank=0, world_size=world_size) if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def send_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Stream the actor's current weights to the rollout pool (every rank gathers, rank 0 sends)."""
+    def send_weights(self, manifest: WeightManifest, version: int = 0) -> dict[str, float]:
+        """Stream the actor's current weights, policy `version`, to the rollout pool (every rank gathers,
+        rank 0 announces the update and sends)."""
         from hflow.utils.fsdp_utils import iter_full_params
 
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
         self._onload(self.actor_module, None, self._offload_param, False)
-        sent = send_weights(getattr(self, "_weight_group", None), manifest, iter_full_params(self.actor_module))
+        sent = send_weights(getattr(self, "_weight_group", None), manifest, iter_full_params(self.actor_module), version)
         self._offload(self.actor_module, None, self._offload_param, False)
         return {"seconds": time.perf_counter() - started, "bytes": float(sent)}
 

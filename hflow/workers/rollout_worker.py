@@ -5,12 +5,19 @@ the training pool over the weight stream (`hflow.workers.weight_sync`). The roll
 torch.distributed world, so vLLM's tensor parallelism (`rollout.tensor_model_parallel_size`) groups
 consecutive rollout ranks exactly as in the colocated engine, and each TP group is one data-parallel
 replica that generates its share of the prompts.
+
+Updates are announced by the sender before their broadcasts (`WeightGroup.announce`). Between two
+generations the worker loads every announced update; during a generation that allows it (asynchronous
+training past one step, or partial rollouts) the engine takes an update between two scheduler steps,
+so the training pool never waits for the longest response in flight (see `WeightUpdates`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
+import torch
 from omegaconf import DictConfig
 
 from hflow.protocol import DataProto
@@ -18,7 +25,8 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.workers.config import normalize_actor_rollout_ref
 from hflow.workers.fsdp_workers import _load_tokenizer, engine_info_of, generate_with
-from hflow.workers.weight_sync import SENDER, StreamedWeights, WeightGroup, WeightManifest
+from hflow.workers.rollout.base import WeightUpdates
+from hflow.workers.weight_sync import SENDER, StagedWeights, StreamedWeights, WeightGroup, WeightManifest
 
 __all__ = ["RolloutWorker"]
 
@@ -32,6 +40,10 @@ class RolloutWorker(Worker):
         super().__init__()
         self.raw_config = config
         self.weights_version = -1  # no update received yet: the engine holds placeholder weights
+        self._updates_received = 0  # of the updates the sender announced
+        self._staged: StagedWeights | None = None  # taken during a generation, loaded before the next
+        self._generation_end: float | None = None  # when the engine last ran out of work
+        self._load_s = 0.0  # seconds spent loading weights since then
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -74,33 +86,92 @@ class RolloutWorker(Worker):
     # ------------------------------------------------------------------ weights
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def join_weight_group(self, master_addr: str, master_port: str, world_size: int) -> None:
+    def join_weight_group(self, master_addr: str, master_port: str, world_size: int,
+                          manifest: WeightManifest | None = None) -> None:
         """Join the stream from the training pool (its rank 0 is group rank 0; this rank is 1 + rank)."""
         self.weight_group = WeightGroup(master_addr, master_port, rank=SENDER + 1 + self.rank, world_size=world_size)
+        self.manifest = manifest
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive_weights(self, manifest: WeightManifest, version: int) -> float:
-        """Load one update, streamed tensor by tensor into the engine; returns the seconds it took."""
-        import time
-
+        """Load the updates announced so far, up to at least `version` (waiting for its announcement);
+        returns the seconds it took. A no-op for an update a generation already took."""
         started = time.perf_counter()
-        stream = StreamedWeights(self.weight_group, manifest)
-        self.rollout.update_weights(stream)
-        left = stream.drain()
-        if left:
-            raise RuntimeError(f"vLLM's weight loader stopped {left} tensors before the end of the update")
-        self.weights_version = int(version)
+        self.manifest = manifest
+        self._catch_up(int(version))
         return time.perf_counter() - started
+
+    def _catch_up(self, version: int) -> None:
+        """Between generations: load the staged update and every announced one, until the engine holds
+        at least `version`."""
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            self._load(staged, staged.version)
+        while self._update_waiting() or self.weights_version < version:
+            self._wait_for_announcement(version)
+            self._receive(into_engine=True)
+
+    def _update_waiting(self) -> bool:
+        return self.weight_group.updates_announced() > self._updates_received
+
+    def _wait_for_announcement(self, version: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._update_waiting():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout rank {self.rank} waited {timeout_s:.0f} s for weights of policy version "
+                                   f"{version} (it holds {self.weights_version}); the training pool never sent them")
+            time.sleep(0.002)
+
+    def _receive(self, into_engine: bool) -> None:
+        """Take the announced update: into the engine now, or staged for the next generation."""
+        if self.manifest is None:
+            raise RuntimeError("an update arrived before its manifest; call receive_weights() first")
+        version = self.weight_group.announced_version()
+        if into_engine:
+            stream = StreamedWeights(self.weight_group, self.manifest)
+            self._load(stream, version)
+            left = stream.drain()
+            if left:
+                raise RuntimeError(f"vLLM's weight loader stopped {left} tensors before the end of the update")
+            self._staged = None  # an older staged update is superseded
+        else:
+            self._staged = StagedWeights(self.weight_group, self.manifest, version)
+        self._updates_received += 1
+
+    def _load(self, tensors, version: int) -> None:
+        started = time.perf_counter()
+        self.rollout.update_weights(tensors)
+        self.weights_version = int(version)
+        self._load_s += time.perf_counter() - started
 
     # ------------------------------------------------------------------ generation
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample responses with the latest weights received; `meta_info["weights_version"]` says which."""
-        if self.weights_version < 0:
+        """Sample responses with the latest weights announced, at least `meta_info["min_weights_version"]`
+        (waiting for them); `meta_info["updates_in_flight"]` lets updates arrive during the generation.
+
+        The output's `rollout_versions` holds each token's policy version."""
+        if self.weights_version < 0 and (getattr(self, "weight_group", None) is None or not self._update_waiting()):
             raise RuntimeError("generate_sequences() before any weights arrived; call receive_weights() first")
-        output = generate_with(self.rollout, self.context, prompts, self.generation_config, self.tokenizer)
-        output.meta_info["weights_version"] = self.weights_version
+        control = {key: prompts.meta_info.get(key) for key in ("min_weights_version", "updates_in_flight")}
+        # (not passed on: batches generated apart must agree on their meta_info when concatenated)
+        prompts.meta_info = {k: v for k, v in prompts.meta_info.items() if k not in control}
+        self._catch_up(int(control["min_weights_version"] or 0))
+        started = time.perf_counter()
+        # the engine had nothing to do since its last generation, but for loading weights
+        idle = 0.0 if self._generation_end is None else started - self._generation_end - self._load_s
+        started_with = self.weights_version
+        updates = None
+        if self.config.rollout.partial_rollout or control["updates_in_flight"]:
+            updates = _UpdatesDuringGeneration(self, partial=bool(self.config.rollout.partial_rollout))
+        output = generate_with(self.rollout, self.context, prompts, self.generation_config, self.tokenizer,
+                               weight_updates=updates)
+        if "rollout_versions" not in output.batch.keys():
+            versions = torch.full_like(output.batch["responses"], started_with)
+            output.batch["rollout_versions"] = versions.masked_fill(output.batch["attention_mask"][:, -versions.shape[1]:] == 0, -1)
+        output.meta_info.setdefault("metrics", {})["perf/rollout_idle_s"] = idle
+        self._generation_end, self._load_s = time.perf_counter(), 0.0
         return output
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -115,4 +186,22 @@ class RolloutWorker(Worker):
     def close(self) -> None:
         if getattr(self, "rollout", None) is not None:
             self.rollout.close()
+
+
+class _UpdatesDuringGeneration(WeightUpdates):
+    """The worker's announced updates, as the engine sees them between two scheduler steps."""
+
+    def __init__(self, worker: RolloutWorker, partial: bool):
+        self.worker = worker
+        self.partial = partial
+
+    @property
+    def version(self) -> int:
+        return self.worker.weights_version
+
+    def arrived(self) -> bool:
+        return self.worker._update_waiting()
+
+    def take(self) -> None:
+        self.worker._receive(into_engine=self.partial)
 

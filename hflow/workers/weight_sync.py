@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hflow.utils import device
 
-__all__ = ["WeightGroup", "WeightManifest", "receive_weights", "send_weights"]
+__all__ = ["StagedWeights", "WeightGroup", "WeightManifest", "receive_weights", "send_weights"]
 
 # Group rank of the sender (the training pool's rank 0).
 SENDER = 0
@@ -56,7 +56,25 @@ class WeightGroup:
             self._group = ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._store = store
         self.rank, self.world_size = rank, world_size
+
+    # An update is announced in the group's store before its broadcasts start, so a receiver that is
+    # busy generating can see one waiting (a cheap store read) and take it between two engine steps.
+    # The sender announces the next update only after every receiver took the last one.
+
+    def announce(self, version: int) -> None:
+        """Sender: the next broadcasts carry the policy `version`."""
+        self._store.set("version", str(int(version)))
+        self._store.add("updates", 1)
+
+    def updates_announced(self) -> int:
+        """How many updates the sender has announced so far (it never waits)."""
+        return int(self._store.add("updates", 0))
+
+    def announced_version(self) -> int:
+        """The version of the latest announced update (call after `updates_announced` counted one)."""
+        return int(self._store.get("version"))
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """`tensor` from the sender into every other member's `tensor`, in place."""
@@ -76,12 +94,15 @@ def manifest_of(named_shapes: Iterable[tuple[str, torch.Size, torch.dtype]], dty
 
 
 def send_weights(group: WeightGroup | None, manifest: WeightManifest,
-                 named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Stream `named_tensors` (in the manifest's order) to the receivers; returns the bytes sent.
+                 named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> int:
+    """Announce policy `version` and stream `named_tensors` (in the manifest's order) to the receivers;
+    returns the bytes sent.
 
     Every training rank calls this with its gathering iterator; only rank 0 has a `group`: the others
     just take part in the gathers.
     """
+    if group is not None:
+        group.announce(version)
     sent = 0
     expected = iter(manifest.entries)
     for name, tensor in named_tensors:
@@ -128,3 +149,18 @@ class StreamedWeights:
             left += 1
         self.received += left
         return left
+
+
+class StagedWeights:
+    """An update received while the engine was generating and kept, in host memory, until the next
+    generation starts (`actor_rollout_ref.rollout.partial_rollout=false`): taking it at once lets the
+    sender go back to training instead of waiting for the longest response in flight."""
+
+    def __init__(self, group: WeightGroup, manifest: WeightManifest, version: int):
+        self.version = int(version)
+        self.tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in receive_weights(group, manifest)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        target = device.get_device()
+        for name, tensor in self.tensors:
+            yield name, tensor.to(target)

@@ -5,7 +5,8 @@ with no data or model trains `hflow.tasks.agent_task`: multiplications of two 2-
 small model cannot do in its head (greedy, with tools: 0.015 on the held-out problems) but can with the
 built-in calculator, which it calls in a quarter of its samples. Held-out greedy episodes (with the tool)
 must go from <= 0.2 to >= 0.9 and stay there (tests/trainer/learning.py's mark) on the real engines (Ray,
-vLLM) colocated, with generation on its own devices one step off (`split`, `async_steps=1`), on two ranks
+vLLM) colocated, with generation on its own devices two steps off with partial rollouts (`split`,
+`async_steps=2`, `partial_rollout`), on two ranks
 (one tensor-parallel engine; HF generation), and with the critic (GAE) on the local backend and the HF
 rollout. The control is the same GRPO run
 with a calculator that always fails: calling it earns nothing, and the score must stay <= 0.3.
@@ -47,10 +48,15 @@ def test_grpo_learns_to_call_the_calculator_on_ray_and_vllm(tmp_path):
     assert [m["role"] for m in episode["messages"]][:3] == ["assistant", "tool", "assistant"], episode
 
 
-def test_grpo_learns_with_generation_on_its_own_devices_one_step_off(tmp_path):
-    curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.placement=split",
-                              "trainer.n_gpus_per_node=2", "trainer.async_steps=1", steps=6)
+def test_grpo_learns_with_generation_on_its_own_devices_two_steps_off_with_partial_rollouts(tmp_path):
+    """Episodes in flight when new weights arrive go on with them (a turn is interrupted and continued);
+    no token trained is more than two policy versions old."""
+    curve, records = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.placement=split",
+                                    "trainer.n_gpus_per_node=2", "trainer.async_steps=2", "algorithm.rollout_is=token",
+                                    "actor_rollout_ref.rollout.partial_rollout=true", steps=6)
     assert_learned(curve)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert max(r["training/staleness/max"] for r in steps) == 2
 
 
 @pytest.mark.parametrize("engine", [

@@ -60,8 +60,8 @@ def test_take_groups_keeps_whole_groups_in_order():
 
 
 def _fake_trainer(batches: list[DataProto], train_batch_size: int, max_num_gen_batches: int):
-    """A trainer whose generation batches are `batches` (already scored): `_start_rollout` hands out the
-    next one, as drawing from the data loader would, and counts the draws."""
+    """A trainer whose generation batches are `batches` (already scored): `_take_rollout` hands out the
+    next one, as the pipeline of batches in flight would, and counts the draws."""
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     config = default_config()
     config.data.train_batch_size = train_batch_size
@@ -71,12 +71,11 @@ def _fake_trainer(batches: list[DataProto], train_batch_size: int, max_num_gen_b
     queue = list(batches[1:])
     trainer.draws = 0
 
-    def start_rollout():
+    def take_rollout(timing):
         trainer.draws += 1
-        out = DataProto(meta_info={"metrics": {}})
-        return SimpleNamespace(batch=queue.pop(0), output=None, call=SimpleNamespace(result=lambda: out))
+        return SimpleNamespace(batch=queue.pop(0), output=DataProto(meta_info={"metrics": {}}))
 
-    trainer._start_rollout = start_rollout
+    trainer._take_rollout = take_rollout
     trainer._scored_batch = lambda rollout, metrics, timing: (rollout.batch, {})
     return trainer, batches[0]
 
@@ -140,8 +139,6 @@ def test_overlong_penalty_lands_on_the_last_valid_token():
 
 @pytest.mark.parametrize("changes,named", [
     ({"algorithm.filter_groups.enable": True, "actor_rollout_ref.rollout.n": 1}, "rollout.n >= 2"),
-    ({"algorithm.filter_groups.enable": True, "actor_rollout_ref.rollout.n": 4, "trainer.async_steps": 1},
-     "trainer.async_steps=0"),
     ({"algorithm.filter_groups.enable": True, "actor_rollout_ref.rollout.n": 4,
       "algorithm.filter_groups.max_num_gen_batches": -1}, "max_num_gen_batches must be >= 0"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 0}, "overlong_buffer.len"),

@@ -74,7 +74,12 @@ class _Loader:
         return {"epoch": 0, "position": 3}  # already past the batch drawn for the next step
 
 
-def test_a_checkpoint_taken_with_a_rollout_in_flight_resumes_by_drawing_that_batch_again(tmp_path):
+def test_a_checkpoint_taken_with_rollouts_in_flight_resumes_by_drawing_those_batches_again(tmp_path):
+    """Batches in flight (trainer.async_steps >= 1) are not saved: the checkpoint's data position is the
+    oldest one's, so a resumed run draws them again and generates them with its own weights, and no
+    sample from before the checkpoint can be trained beyond the staleness bound."""
+    from collections import deque
+
     import torch
 
     from hflow.trainer.ppo.ray_trainer import PendingRollout
@@ -85,12 +90,37 @@ def test_a_checkpoint_taken_with_a_rollout_in_flight_resumes_by_drawing_that_bat
     trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward, trainer.reward_norm = 2, False, None, None
     trainer.actor_rollout_wg = trainer.rollout_wg = _Recorder()
     trainer.train_dataloader = _Loader()
-    trainer._pending = PendingRollout(batch=None, gen_batch=None, call=None, version=1,
-                                      loader_state={"epoch": 0, "position": 2})
+    trainer._pending = deque(PendingRollout(batch=None, gen_batch=None, call=None, version=1,
+                                            loader_state={"epoch": 0, "position": position}) for position in (1, 2))
     trainer._save_checkpoint()
     state = torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)
-    assert state["dataloader"] == {"epoch": 0, "position": 2}
+    assert state["dataloader"] == {"epoch": 0, "position": 1}
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    trainer._pending = None  # nothing in flight: the loader's own position
+    trainer._pending = deque()  # nothing in flight: the loader's own position
     trainer._save_checkpoint()
     assert torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)["dataloader"]["position"] == 3
+
+
+def test_a_sample_with_a_token_beyond_the_staleness_bound_is_dropped_from_the_loss_and_counted():
+    """The guard behind trainer.async_steps=k: staleness per sampled token (padding and tool tokens, -1 and
+    mask 0, do not count); a sample holding one token more than k versions old loses its whole response mask."""
+    import torch
+
+    from hflow.protocol import DataProto
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.policy_version, trainer.async_steps = 5, 2
+    versions = torch.tensor([[5, 4, 4, -1],   # staleness 0, 1, 1
+                             [3, 3, 3, 3],    # 2: at the bound, kept
+                             [2, 3, 3, -1],   # one token 3 versions old: dropped
+                             [4, -1, 5, -1]])  # the -1 is a tool token (mask 0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 1, 0]])
+    batch = DataProto.from_dict({"rollout_versions": versions, "response_mask": mask.clone()})
+    metrics = trainer._bound_staleness(batch, submitted_version=3)
+    assert metrics["training/staleness/dropped_samples"] == 1
+    assert batch.batch["response_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]]
+    kept = torch.tensor([0, 1, 1, 2, 2, 2, 2, 3, 2, 2, 1, 0], dtype=torch.float)  # every masked token, dropped ones too
+    assert metrics["training/staleness/max"] == 3 and metrics["training/staleness/mean"] == pytest.approx(kept.mean().item())
+    # without per-token versions (a colocated engine), the batch's submission version stands for every token
+    plain = DataProto.from_dict({"response_mask": mask.clone()})
+    assert trainer._bound_staleness(plain, submitted_version=4)["training/staleness/max"] == 1

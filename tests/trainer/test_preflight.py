@@ -83,7 +83,12 @@ INVALID = [
      ["training pool's 3 ranks", "trainer.rollout_n_gpus"]),
     (["trainer.placement=spread"], ["trainer.placement", "colocate"]),
     (["trainer.async_steps=1"], ["trainer.async_steps=1", "trainer.placement=split"]),
-    (["trainer.async_steps=2", "trainer.placement=split"], ["trainer.async_steps"]),
+    (["trainer.async_steps=2", "trainer.placement=split"],
+     ["trainer.async_steps=2", "rollout.calculate_log_probs=true", "algorithm.rollout_is=token"]),
+    (["trainer.async_steps=3", "trainer.placement=split", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+     ["trainer.async_steps=3", "calculate_log_probs=true"]),
+    (["trainer.async_steps=-1", "trainer.placement=split"], ["trainer.async_steps", ">= 0"]),
+    (["actor_rollout_ref.rollout.partial_rollout=true"], ["partial_rollout", "trainer.async_steps >= 1"]),
     (["trainer.placement=split", "trainer.async_steps=1", "algorithm.reuse_update_log_probs=true",
       "actor_rollout_ref.actor.ppo_mini_batch_size=8"], ["trainer.async_steps=1", "algorithm.reuse_update_log_probs"]),
     (["trainer.placement=split", "actor_rollout_ref.rollout.name=hf"], ["trainer.placement=split", "rollout.name"]),
@@ -139,6 +144,8 @@ def test_split_placement_passes_and_divides_the_nodes(files):
 
     preflight_check(make_config(files, "trainer.placement=split", "trainer.rollout_n_gpus=1"))
     preflight_check(make_config(files, "trainer.placement=split", "trainer.async_steps=1"))
+    preflight_check(make_config(files, "trainer.placement=split", "trainer.async_steps=4", "algorithm.rollout_is=token",
+                                "actor_rollout_ref.rollout.partial_rollout=true"))
     # the rollout pool takes its devices from the last nodes; training keeps whole nodes first
     assert placement_pools(1, 8, "colocate", 3) == ([8], [])
     assert placement_pools(1, 8, "split", 4) == ([4], [4])

@@ -385,6 +385,7 @@ def _compare_rank0_loading_main(rank: int, world_size: int, port: int, paths: di
             x = inputs()
             logits, expected_logits = model(**x).logits, everywhere(**x).logits
             assert torch.equal(logits.log_softmax(-1), expected_logits.log_softmax(-1)), case
+        dist.barrier()  # leave together (see _rss_main)
     finally:
         dist.destroy_process_group()
 
@@ -499,6 +500,9 @@ def _rss_main(rank: int, world_size: int, port: int, path: str, out_dir: str) ->
         growth = (_status_kib("VmHWM") - before) * 1024
         shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"growth": growth, "shard": shard, "reset": reset}))
+        # Both ranks leave together: a rank that tears gloo down while its peer is still connected can
+        # abort the peer ("terminate called without an active exception", seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -179,6 +179,28 @@ def test_vllm_episode_is_token_in_token_out_with_sampler_log_probs(vllm_rollout,
     assert metrics["agent/ended/max_assistant_turns"] > 0, f"no episode reached the turn limit: {metrics} {[[len(t) for t in recorder.turns[k]] for k in recorder.turns]}"
 
 
+def test_partial_rollout_continues_turns_in_flight_with_the_new_weights(vllm_rollout, tiny_tokenizer, hf_model):
+    """partial_rollout in an agent loop: the turns in flight when an update arrives go on from their tokens
+    with the new weights; each sampled token records its version and carries that model's log-prob, tool
+    tokens none; an episode's later turns are sampled by the new weights."""
+    import copy
+
+    from tests.workers.test_rollout import UpdateAfterSteps, check_versions_and_log_probs, perturb_
+
+    new_model = copy.deepcopy(hf_model)
+    perturb_(new_model, torch.Generator().manual_seed(7), scale=0.05)
+    push(vllm_rollout, hf_model)
+    updates = UpdateAfterSteps(vllm_rollout, new_model, after=12, partial=True)
+    torch.manual_seed(0)
+    output = vllm_rollout.generate_sequences(make_prompts(tiny_tokenizer, QUESTIONS), weight_updates=updates)
+
+    mask = output.batch["response_mask"].bool()
+    old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
+    assert old > 0 and new > 0, (old, new)
+    assert output.meta_info["metrics"]["rollout/interrupted_requests"] > 0
+    assert any(e["num_turns"] > 1 for e in output.non_tensor_batch["episode"])
+
+
 def test_hf_rollout_runs_the_same_loop(tool_config, tiny_tokenizer, hf_model, monkeypatch):
     import hflow.workers.rollout.hf_rollout as module
     from hflow.workers.rollout import HFRollout

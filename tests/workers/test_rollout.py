@@ -494,3 +494,85 @@ def test_stale_cpu_all_reduce_segments_are_removed_and_live_ones_kept():
         finally:
             stale.unlink(missing_ok=True)
             live.unlink(missing_ok=True)
+
+
+# ---- weight updates during generation (trainer.async_steps >= 2, rollout.partial_rollout) ----------
+
+
+class UpdateAfterSteps:
+    """A `WeightUpdates` source whose one update (to `new_model`, version 1) arrives before engine step
+    `after + 1`: the test's stand-in for the weight stream, which the trainer tests run for real."""
+
+    def __init__(self, rollout, new_model: torch.nn.Module, after: int, partial: bool):
+        self.rollout, self.new_model, self.after, self.partial = rollout, new_model, after, partial
+        self.steps, self._version, self.staged = 0, 0, False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def arrived(self) -> bool:
+        self.steps += 1
+        return self.steps == self.after + 1
+
+    def take(self) -> None:
+        if self.partial:
+            push(self.rollout, self.new_model)
+            self._version = 1
+        else:
+            self.staged = True  # the engine keeps the weights it started with
+
+
+def check_versions_and_log_probs(output, old_model, new_model, mask: torch.Tensor) -> tuple[int, int]:
+    """Each sampled token's recorded version says which weights sampled it, and the sampler's log-prob
+    of it is that model's (1e-4, fp32); within a sample the versions never go back. Returns the count
+    of old- and new-version tokens."""
+    versions = output.batch["rollout_versions"]
+    assert ((versions >= 0) == mask).all(), "every sampled token, and only those, has a version"
+    for row, row_mask in zip(versions, mask):
+        sampled = row[row_mask].tolist()
+        assert sampled == sorted(sampled), f"versions go back within a sample: {sampled}"
+    sampler = output.batch["rollout_log_probs"]
+    old, new = mask & (versions == 0), mask & (versions == 1)
+    if old.any():
+        assert max_masked_diff(hf_log_probs(old_model, output, TEMPERATURE), sampler, old) < PARITY_TOL
+    if new.any():
+        assert max_masked_diff(hf_log_probs(new_model, output, TEMPERATURE), sampler, new) < PARITY_TOL
+    return int(old.sum()), int(new.sum())
+
+
+def generate_through_an_update(rollout, hf_model, tokenizer, model_dir, partial: bool):
+    """Long prompts, `hf_model`'s weights, and an update to a perturbed copy arriving before step 9."""
+    new_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    perturb_(new_model, torch.Generator().manual_seed(7), scale=0.2)
+    push(rollout, hf_model)
+    updates = UpdateAfterSteps(rollout, new_model, after=8, partial=partial)
+    torch.manual_seed(0)
+    output = rollout.generate_sequences(make_prompts(tokenizer, QUESTIONS, context=LONG_CONTEXT), weight_updates=updates)
+    return output, updates, new_model, output.batch["attention_mask"][:, -RESPONSE_LENGTH:].bool()
+
+
+def test_partial_rollout_continues_interrupted_requests_with_the_new_weights(rollout, hf_model, tiny_tokenizer,
+                                                                            tiny_model_dir):
+    """partial_rollout: an update that arrives mid-generation stops every request in flight; each goes on
+    from the tokens it had, sampled (and scored) by the new weights from then on, and its tokens record
+    the version that sampled them. The long prompts (> one 128-token KV block) make a prefix cache kept
+    across the update show up in the new tokens' log-probs."""
+    output, _, new_model, mask = generate_through_an_update(rollout, hf_model, tiny_tokenizer, tiny_model_dir, True)
+    assert output.batch["responses"].shape == (len(QUESTIONS) * 4, RESPONSE_LENGTH)
+    old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
+    assert old > 0 and new > 0, (old, new)
+    interrupted = output.meta_info["metrics"]["rollout/interrupted_requests"]
+    assert interrupted > 0
+    # the requests in flight at the update kept their first tokens and went on to the full length or EOS
+    switched = [(row[m] == 0).any() and (row[m] == 1).any() for row, m in zip(output.batch["rollout_versions"], mask)]
+    assert sum(switched) == interrupted, (switched, interrupted)
+
+
+def test_update_without_partial_rollout_is_staged_and_requests_finish_with_their_weights(rollout, hf_model,
+                                                                                      tiny_tokenizer, tiny_model_dir):
+    output, updates, new_model, mask = generate_through_an_update(rollout, hf_model, tiny_tokenizer, tiny_model_dir,
+                                                                  False)
+    assert updates.staged and output.meta_info["metrics"]["rollout/interrupted_requests"] == 0
+    old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
+    assert new == 0 and old == int(mask.sum())

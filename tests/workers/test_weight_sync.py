@@ -2,6 +2,7 @@
 default process group, carrying each tensor of the manifest in order, in the rollout's dtype."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -87,3 +88,37 @@ def test_a_model_out_of_step_with_its_manifest_is_an_error_not_a_hang():
         send_weights(None, manifest, list(WEIGHTS.items())[:2])
     with pytest.raises(ValueError, match="at least one receiver"):
         WeightGroup("127.0.0.1", get_free_port(), rank=0, world_size=1)
+
+
+def test_updates_are_announced_before_their_broadcasts_and_can_be_staged_in_host_memory():
+    """A receiver busy generating polls the store: it sees nothing until the sender announces an update,
+    then the update's version and count; `StagedWeights` takes the broadcasts at once into host memory
+    (releasing the sender) and hands them over later, in order."""
+    from hflow.workers.weight_sync import StagedWeights
+
+    manifest = manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], torch.float32)
+    port = get_free_port()
+    errors, sent = [], threading.Event()
+
+    def sender():
+        try:
+            group = WeightGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=30)
+            send_weights(group, manifest, list(WEIGHTS.items()), version=5)
+            sent.set()
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    receiver = WeightGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while receiver.updates_announced() == 0:  # the sender announces, then blocks in its first broadcast
+        assert time.monotonic() < deadline and not errors, errors
+    assert receiver.announced_version() == 5 and not sent.is_set()
+    staged = StagedWeights(receiver, manifest, receiver.announced_version())
+    assert receiver.updates_announced() == 1  # (read while the sender, which hosts the store, still runs)
+    thread.join(timeout=30)
+    assert sent.is_set() and not errors, errors  # released by staging, before anything was loaded
+    assert staged.version == 5 and all(t.device.type == "cpu" for _, t in staged.tensors)
+    got = dict(staged)
+    assert list(got) == list(WEIGHTS) and all(torch.equal(got[n], t) for n, t in WEIGHTS.items())

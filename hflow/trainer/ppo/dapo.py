@@ -80,10 +80,6 @@ def check_dapo_config(config) -> None:
         if n < 2:
             raise ConfigError(f"algorithm.filter_groups.enable=true keeps the prompts whose samples differ, which "
                               f"needs actor_rollout_ref.rollout.n >= 2 (it is {n})")
-        if int(config.trainer.async_steps):
-            raise ConfigError("algorithm.filter_groups.enable=true draws more prompts within a step, which "
-                              "trainer.async_steps=1 does not support; set trainer.async_steps=0 or "
-                              "algorithm.filter_groups.enable=false")
         if int(groups.max_num_gen_batches) < 0:
             raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), "
                               f"got {groups.max_num_gen_batches}")

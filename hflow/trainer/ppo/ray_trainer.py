@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -54,9 +56,11 @@ def pop_generation_inputs(batch: DataProto) -> DataProto:
 class PendingRollout:
     """A batch of prompts whose responses are being (or have been) generated.
 
-    `version` is the policy version (actor updates so far) whose weights sample them; `loader_state`
+    `version` is the oldest policy version whose weights may sample them (actor updates so far when it
+    was submitted; the rollout pool's tokens record their own, which may be newer); `loader_state`
     is the data loader's position before this batch was drawn (a checkpoint saved while the batch is
-    in flight resumes by drawing it again).
+    in flight resumes by drawing it again). `receive` is the weight update submitted to the rollout
+    pool just before this batch, if any (its errors surface when the batch is taken).
     """
 
     batch: DataProto
@@ -65,6 +69,8 @@ class PendingRollout:
     version: int
     loader_state: dict
     output: DataProto | None = None
+    receive: GroupCall | None = None
+    scored: Future | None = None  # (batch, reward, metrics): scored on the scoring thread as generation ends
 
 
 class Role(Enum):
@@ -182,8 +188,13 @@ class RayPPOTrainer:
         self.global_steps = 0
         self.policy_version = 0  # actor updates so far
         self.engine_version = -1  # the version the rollout pool's engines hold (split placement)
-        self.async_steps = int(trainer_cfg.async_steps)
-        self._pending: PendingRollout | None = None
+        self.async_steps = int(trainer_cfg.async_steps)  # k: batches generated ahead, the staleness bound
+        self._pending: deque[PendingRollout] = deque()  # submitted, oldest first
+        self._receive: GroupCall | None = None  # the last weight update submitted to the rollout pool
+        # Asynchronous runs score each batch on a driver thread as soon as its generation ends, while
+        # training goes on (a reward model is a worker of the training pool: it scores in the step).
+        self._scoring = (ThreadPoolExecutor(1, thread_name_prefix="hflow-scoring")
+                         if self.async_steps and not self.use_rm else None)
         self._stream_metrics: dict[str, float] = {}  # the latest weight stream's, for the next step's log
 
     def _total_training_steps(self) -> int:
@@ -249,28 +260,33 @@ class RayPPOTrainer:
         """A process group over the actor's rank 0 and every rollout rank (see hflow.workers.weight_sync)."""
         addr, port = self.actor_rollout_wg.execute_rank_zero_sync("pick_rendezvous_address")
         world = 1 + self.rollout_wg.world_size
+        self._weight_manifest = self.actor_rollout_wg.weight_manifest()
         joins = [self.actor_rollout_wg.join_weight_group.submit(addr, port, world),
-                 self.rollout_wg.join_weight_group.submit(addr, port, world)]
+                 self.rollout_wg.join_weight_group.submit(addr, port, world, self._weight_manifest)]
         for join in joins:
             join.result()
-        self._weight_manifest = self.actor_rollout_wg.weight_manifest()
 
     def _push_weights(self) -> None:
         """Stream the actor's weights to the rollout pool unless the engines already have this version
         (split placement only; colocated engines are synced by the worker on every generation). Its
-        timing is reported with the step that follows."""
+        timing is reported with the step that follows.
+
+        The send returns once every rollout rank took the update: an idle rank through `receive_weights`,
+        a rank that is generating between two engine steps (with trainer.async_steps >= 2 or partial
+        rollouts; at k <= 1 the pool is idle here). The rollout pool's own call is collected later."""
         if self.rollout_wg is self.actor_rollout_wg or self.engine_version == self.policy_version:
             return
         started = time.perf_counter()
-        send = self.actor_rollout_wg.send_weights.submit(self._weight_manifest)
-        receive = self.rollout_wg.receive_weights.submit(self._weight_manifest, self.policy_version)
+        send = self.actor_rollout_wg.send_weights.submit(self._weight_manifest, self.policy_version)
+        self._receive = self.rollout_wg.receive_weights.submit(self._weight_manifest, self.policy_version)
         sent = send.result()[0]
-        receive.result()
         self.engine_version = self.policy_version
         self._stream_metrics = {"timing_s/weight_stream": time.perf_counter() - started,
                                 "perf/weight_stream_gb": sent["bytes"] / 1e9}
 
     def shutdown(self) -> None:
+        if getattr(self, "_scoring", None) is not None:
+            self._scoring.shutdown(cancel_futures=True)
         for name in ("rollout_group", "worker_group"):
             group = getattr(self, name, None)
             if group is not None:
@@ -322,32 +338,62 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ generation
 
     def _start_rollout(self) -> PendingRollout:
-        """Draw the next batch of prompts and start generating for it with the actor's latest weights."""
+        """Draw the next batch of prompts and start generating for it with the actor's latest weights
+        (the rollout pool waits for them: `min_weights_version`)."""
         loader_state = self.train_dataloader.state_dict()  # a checkpoint taken meanwhile re-draws this batch
         batch = DataProto.from_single_dict(next(self._batches))
         gen_batch = pop_generation_inputs(batch)
         self._push_weights()
-        return PendingRollout(batch, gen_batch, self.rollout_wg.generate_sequences.submit(gen_batch),
-                              self.policy_version, loader_state)
+        if self.rollout_wg is not self.actor_rollout_wg:  # the rollout pool waits for this version's weights
+            gen_batch.meta_info["min_weights_version"] = self.policy_version
+            # more batches queue behind this one: updates must reach the pool while it generates
+            gen_batch.meta_info["updates_in_flight"] = self.async_steps >= 2
+        receive, self._receive = self._receive, None
+        rollout = PendingRollout(batch, gen_batch, self.rollout_wg.generate_sequences.submit(gen_batch),
+                                 self.policy_version, loader_state, receive=receive)
+        if self._scoring is not None:
+            rollout.scored = self._scoring.submit(self._generate_and_score, rollout)
+        return rollout
+
+    def _generate_and_score(self, rollout: PendingRollout) -> tuple[DataProto, dict, dict[str, float]]:
+        """On the scoring thread: wait for the batch's responses, then score them (steps 1-3)."""
+        self._collect(rollout)
+        metrics, timing = {}, {}
+        batch, reward = self._score_batch(rollout, metrics, timing)
+        metrics["timing_s/reward_overlapped"] = timing.get("reward", 0.0)
+        return batch, reward, metrics
+
+    @staticmethod
+    def _collect(rollout: PendingRollout) -> None:
+        if rollout.receive is not None:
+            rollout.receive.result()  # the weight update before it: its errors surface here
+        rollout.output = rollout.call.result()
+
+    def _take_rollout(self, timing: dict[str, float]) -> PendingRollout:
+        """The oldest batch in flight (started now if none), with its responses; then the pipeline is
+        topped up to `trainer.async_steps` batches ahead, each generated with the weights of now."""
+        if not self._pending:
+            self._pending.append(self._start_rollout())
+        rollout = self._pending.popleft()
+        with timer("gen", timing):  # with async_steps >= 1: only the part of generation training did not hide
+            if rollout.scored is not None:
+                rollout.scored.exception()  # generated and scored (its errors are raised where it is used)
+            else:
+                self._collect(rollout)
+        while len(self._pending) < min(self.async_steps, self.total_training_steps - self.global_steps):
+            self._pending.append(self._start_rollout())
+        return rollout
 
     def _next_rollout(self, timing: dict[str, float]) -> tuple[PendingRollout, dict[str, float]]:
         """This step's prompts and their sampled responses (`rollout.output`).
 
-        With `trainer.async_steps=0` they are generated now, with the current weights. With 1 they are
-        the ones generated while the previous step trained (weights one update old), and generation of
-        the next step's batch starts before this one trains, on the rollout pool's own devices.
+        With `trainer.async_steps=0` they are generated now, with the current weights. With k >= 1 they
+        were generated while earlier steps trained, on the rollout pool's own devices, with weights at
+        most k updates old, and the batch k steps ahead starts generating before this one trains.
         """
-        if self._pending is None:
-            self._pending = self._start_rollout()
-        rollout, self._pending = self._pending, None
-        with timer("gen", timing):  # with async_steps=1: only the part of generation training did not hide
-            rollout.output = rollout.call.result()
-        if self.async_steps and self.global_steps < self.total_training_steps:
-            self._pending = self._start_rollout()
+        rollout = self._take_rollout(timing)
         metrics, self._stream_metrics = self._stream_metrics, {}
         metrics.update(reduce_metrics(rollout.output.meta_info.pop("metrics", {})))
-        # policy versions between the weights that sampled these responses and the ones being updated
-        metrics["training/staleness"] = self.policy_version - rollout.version
         return rollout, metrics
 
     # ------------------------------------------------------------------ the algorithm
@@ -361,6 +407,7 @@ class RayPPOTrainer:
         batch, reward = self._scored_batch(rollout, metrics, timing)
         if algo.filter_groups.enable:  # DAPO dynamic sampling: train only on groups whose samples differ
             batch = self._fill_batch_with_informative_groups(batch, reward, metrics, timing)
+        metrics.update(self._bound_staleness(batch, rollout.version))
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
 
         # 4. old log-probs: the sampled responses under the policy before this update (with
@@ -425,6 +472,15 @@ class RayPPOTrainer:
 
     def _scored_batch(self, rollout: PendingRollout, metrics: dict[str, float],
                       timing: dict[str, float]) -> tuple[DataProto, dict]:
+        """Steps 2 and 3 (`_score_batch`), or their result from the scoring thread when it ran there."""
+        if rollout.scored is None:
+            return self._score_batch(rollout, metrics, timing)
+        batch, reward, scored_metrics = rollout.scored.result()
+        metrics.update(scored_metrics)
+        return batch, reward
+
+    def _score_batch(self, rollout: PendingRollout, metrics: dict[str, float],
+                     timing: dict[str, float]) -> tuple[DataProto, dict]:
         """Steps 2 and 3: one group id per prompt, prompts aligned with their n samples, and the samples'
         `token_level_scores` (of each response cut after algorithm.stop_token, when set). Returns the
         batch and the reward function's full result; adds the reward metrics to `metrics`."""
@@ -442,6 +498,26 @@ class RayPPOTrainer:
         metrics.update(reward.get("reward_metrics", {}))
         metrics.update(_reward_extra_metrics(reward.get("reward_extra_info", {})))
         return batch, reward
+
+    def _bound_staleness(self, batch: DataProto, submitted_version: int) -> dict[str, float]:
+        """Per token, how many policy versions the sampler was behind the policy this step updates
+        (`rollout_versions`: each token's own; without them, the version the batch was submitted with).
+        A sample with a token more than `trainer.async_steps` versions old is dropped from the loss (its
+        response mask zeroed) and counted; the pipeline never makes one, so this is the bound's guard."""
+        mask = batch.batch["response_mask"].bool()
+        if "rollout_versions" in batch.batch.keys():
+            staleness = self.policy_version - batch.batch["rollout_versions"]
+        else:
+            staleness = torch.full(mask.shape, self.policy_version - submitted_version)
+        too_old = ((staleness > self.async_steps) & mask).any(-1)
+        if too_old.any():
+            batch.batch["response_mask"][too_old] = 0
+        values = staleness[mask].float()
+        if values.numel() == 0:
+            values = torch.zeros(1)
+        return {"training/staleness/mean": values.mean().item(), "training/staleness/max": values.max().item(),
+                "training/staleness": values.max().item(),  # the batch's oldest token (its name before k > 1)
+                "training/staleness/dropped_samples": float(too_old.sum())}
 
     def _fill_batch_with_informative_groups(self, batch: DataProto, reward: dict, metrics: dict[str, float],
                                             timing: dict[str, float]) -> DataProto:
@@ -471,9 +547,7 @@ class RayPPOTrainer:
                     f"differ in {cfg.metric!r}; the prompts are too hard or too easy for the policy. Raise "
                     "max_num_gen_batches (0 = no limit), use more samples per prompt (actor_rollout_ref.rollout.n), "
                     "or other data")
-            with timer("gen", timing):
-                more = self._start_rollout()
-                more.output = more.call.result()
+            more = self._take_rollout(timing)  # async: the next batch in flight, generated within the bound
             more.output.meta_info.pop("metrics", None)
             batch, reward = self._scored_batch(more, {}, timing)
             num_gen += 1
@@ -628,8 +702,8 @@ class RayPPOTrainer:
         self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=self.global_steps)
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
-        # A batch already drawn for the next step (trainer.async_steps=1) is drawn again on resume.
-        loader_state = self._pending.loader_state if self._pending else self.train_dataloader.state_dict()
+        # Batches in flight are not saved: a resumed run draws them again and generates them with its weights
+        loader_state = self._pending[0].loader_state if self._pending else self.train_dataloader.state_dict()
         state = {"dataloader": loader_state, "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()

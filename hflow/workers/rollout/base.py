@@ -9,6 +9,8 @@ The output contract, for B prompts of width P, n samples each and `response_leng
     attention_mask     (B·n, P+L)  the prompt mask ‖ 1 up to and including the first EOS, 0 after
     position_ids       (B·n, P+L)  response positions continue from the last prompt position
     rollout_log_probs  (B·n, L)    float32 sampler log-probs of the generated ids, 0.0 on padding
+    rollout_versions   (B·n, L)    int64 policy version of the weights that sampled each id, -1 on padding
+                                   (the standalone engines of `trainer.placement=split` add it)
 
 Rows are prompt-major (p0s0, p0s1, ..., p1s0, ...), the order `DataProto.repeat(n, interleave=True)`
 gives, so the trainer can union its own repeated batch with this one. Every per-row non-tensor field
@@ -29,7 +31,7 @@ from omegaconf import DictConfig
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import get_response_mask
 
-__all__ = ["BaseRollout", "SamplingSettings", "assemble_rollout_output", "resolve_sampling"]
+__all__ = ["BaseRollout", "SamplingSettings", "WeightUpdates", "assemble_rollout_output", "resolve_sampling"]
 
 # Non-tensor keys generation reads and does not pass on.
 CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs")
@@ -37,6 +39,32 @@ CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs")
 # Value of `rollout_log_probs` past the end of a response. Those positions are masked out
 # everywhere; 0.0 keeps any unmasked sum over a row equal to the response's log-likelihood.
 LOG_PROB_PAD = 0.0
+
+
+class WeightUpdates(ABC):
+    """Weight updates that arrive while an engine generates (the standalone engines of
+    `trainer.placement=split`, with `trainer.async_steps >= 2` or `rollout.partial_rollout`).
+
+    The engine asks `arrived()` between two scheduler steps. With `partial`, it stops the requests in
+    flight, `take()`s the update (loaded into the engine at once) and continues each request from the
+    tokens it already produced, whose KV is recomputed with the new weights. Otherwise `take()` keeps
+    the update for the next generation and the requests finish with the weights they started with.
+    Either way the sender is released at once."""
+
+    partial: bool
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights the engine holds now."""
+
+    @abstractmethod
+    def arrived(self) -> bool:
+        """An update is waiting to be taken (a cheap check, asked at every step)."""
+
+    @abstractmethod
+    def take(self) -> None:
+        """Receive the waiting update: into the engine with `partial`, else staged for the next generation."""
 
 
 class BaseRollout(ABC):

@@ -9,6 +9,8 @@ prompt) instead of one response, and the output keeps the rollout contract of
     response_mask      (B·n, L) 1 on sampled tokens, 0 on tool tokens and padding: no loss, entropy, KL
                        or advantage reaches a tool token
     rollout_log_probs  sampler log-probs on sampled tokens, 0.0 elsewhere
+    rollout_versions   (when weights can change during generation) the policy version that sampled each
+                       token, -1 on tool tokens and padding
     episode            (non-tensor) the episode: messages, tool calls with results, turns, how it ended
 
 and `meta_info["metrics"]` carries the `agent/*` metrics.
@@ -80,6 +82,8 @@ class MultiTurnRollout:
         log_probs = pad_log_probs([e.log_probs for e in episodes], width) if calculate_log_probs else None
         output = assemble_rollout_output(prompts, responses, n, log_probs, response_attention_mask=attention)
         output.batch["response_mask"] = pad_2d_list_to_length([e.loss_mask for e in episodes], 0, max_length=width)
+        if any(v >= 0 for e in episodes for v in e.versions):  # the engine recorded them (weight updates in flight)
+            output.batch["rollout_versions"] = pad_2d_list_to_length([e.versions for e in episodes], -1, max_length=width)
         output.non_tensor_batch["episode"] = np.array([e.summary() for e in episodes], dtype=object)
         return output
 

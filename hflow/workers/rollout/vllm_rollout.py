@@ -40,6 +40,7 @@ from hflow.utils.torch_functional import pad_2d_list_to_length
 from hflow.workers.rollout.base import (
     BaseRollout,
     SamplingSettings,
+    WeightUpdates,
     assemble_rollout_output,
     pad_log_probs,
     prompt_token_ids,
@@ -182,16 +183,25 @@ class vLLMRollout(BaseRollout):
     # ---- generation --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """n samples per prompt (prompt-major); see `hflow.workers.rollout.base` for the output."""
+    def generate_sequences(self, prompts: DataProto, weight_updates: WeightUpdates | None = None) -> DataProto:
+        """n samples per prompt (prompt-major); see `hflow.workers.rollout.base` for the output.
+
+        With `weight_updates`, every sample is a request of the running engine that takes updates
+        between two steps (see `WeightUpdates`), and the output records each token's policy version."""
         settings = resolve_sampling(self.config, prompts.meta_info)
         eos_token_id = prompts.meta_info["eos_token_id"]
         pad_token_id = prompts.meta_info["pad_token_id"]
-        if self.multi_turn is not None:
+        if self.multi_turn is not None or weight_updates is not None:
             params = self._sampling_params(dataclasses.replace(settings, n=1), eos_token_id)
-            engine = _StreamingEngine(self.llm, params, self.calculate_log_probs)
-            return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
-                                            agree=_tensor_parallel_agreement(self.llm))
+            agree = _tensor_parallel_agreement(self.llm)
+            engine = _StreamingEngine(self.llm, params, self.calculate_log_probs, weight_updates, agree)
+            if self.multi_turn is not None:
+                output = self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs, agree=agree)
+            else:
+                output = self._generate_single_turns(prompts, settings.n, engine, pad_token_id)
+            if weight_updates is not None:
+                output.meta_info.setdefault("metrics", {})["rollout/interrupted_requests"] = engine.interrupted
+            return output
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids(prompts)]
         outputs = self.llm.generate(requests, self._sampling_params(settings, eos_token_id), use_tqdm=False)
 
@@ -207,6 +217,23 @@ class vLLMRollout(BaseRollout):
         response_ids = pad_2d_list_to_length(responses, pad_token_id, max_length=self.response_length)
         rollout_log_probs = pad_log_probs(log_probs, self.response_length) if self.calculate_log_probs else None
         return assemble_rollout_output(prompts, response_ids, settings.n, rollout_log_probs)
+
+    def _generate_single_turns(self, prompts: DataProto, n: int, engine: _StreamingEngine,
+                               pad_token_id: int) -> DataProto:
+        """One request per sample on the streaming engine (which records each token's version)."""
+        rows = [ids for ids in prompt_token_ids(prompts) for _ in range(n)]
+        for key, ids in enumerate(rows):
+            engine.submit(key, ids, self.response_length)
+        finished: dict[int, TurnResult] = {}
+        while engine.busy():
+            finished.update((result.key, result) for result in engine.poll())
+        results = [finished[key] for key in range(len(rows))]
+        response_ids = pad_2d_list_to_length([r.token_ids for r in results], pad_token_id, max_length=self.response_length)
+        log_probs = pad_log_probs([r.log_probs for r in results], self.response_length) if self.calculate_log_probs else None
+        output = assemble_rollout_output(prompts, response_ids, n, log_probs)
+        output.batch["rollout_versions"] = pad_2d_list_to_length([r.versions for r in results], -1,
+                                                                 max_length=self.response_length)
+        return output
 
     def _sampling_params(self, settings: SamplingSettings, eos_token_id: int | list[int]) -> SamplingParams:
         # The batch's EOS ids also stop generation, so the engine and the response mask agree on where
@@ -268,44 +295,95 @@ class vLLMRollout(BaseRollout):
         self.llm.llm_engine.engine_core.shutdown()
 
 
+@dataclasses.dataclass
+class _Turn:
+    """One request of the streaming engine: what it continues and what it has produced so far."""
+
+    key: int
+    ids: list[int]
+    max_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
 class _StreamingEngine(TurnEngine):
     """Assistant turns as requests of the running engine: a turn added between two scheduler steps joins
-    the batch at the next one (continuous batching), and the prefix cache holds its history's KV."""
+    the batch at the next one (continuous batching), and the prefix cache holds its history's KV.
 
-    def __init__(self, llm: LLM, params: SamplingParams, calculate_log_probs: bool) -> None:
+    With `updates`, the engine takes weight updates between steps (`WeightUpdates`); an interrupted
+    request is added again as its prompt plus the tokens it produced, for the tokens it has left, so
+    its continuation is sampled, and its log-probs computed, by the new weights."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, calculate_log_probs: bool,
+                 updates: WeightUpdates | None = None, agree=None) -> None:
         self.engine = llm.llm_engine
         self.params = params
         self.calculate_log_probs = calculate_log_probs
-        self.keys: dict[str, int] = {}  # request id -> episode
+        self.updates = updates
+        self.agree = agree  # tensor parallelism: the group's first rank decides when an update is taken
+        # Versions need every step's tokens; otherwise one output per turn, when it finishes.
+        self.output_kind = RequestOutputKind.FINAL_ONLY if updates is None else RequestOutputKind.DELTA
+        self.turns: dict[str, _Turn] = {}  # request id -> turn
         self.count = 0
+        self.interrupted = 0  # requests stopped by a weight update and continued with the new weights
 
     def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+        self._add(_Turn(key, list(ids), max_tokens))
+
+    def _add(self, turn: _Turn) -> None:
         params = self.params.clone()
-        params.max_tokens = max_tokens
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it finishes
+        params.max_tokens = turn.max_tokens - len(turn.tokens)
+        params.output_kind = self.output_kind
         request_id = f"turn-{self.count}"
         self.count += 1
-        self.keys[request_id] = key
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        self.turns[request_id] = turn
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=turn.ids + turn.tokens), params)
 
     def busy(self) -> bool:
-        return bool(self.keys)
+        return bool(self.turns)
 
     def poll(self) -> list[TurnResult]:
-        if not self.keys:
+        if not self.turns:
             return []
+        self._take_weight_update()
         results = []
         for output in self.engine.step():
-            if not output.finished:
+            turn = self.turns.get(output.request_id)
+            if turn is None:
                 continue
             sample = output.outputs[0]
-            tokens = list(sample.token_ids)
-            log_probs = None
+            tokens = list(sample.token_ids)  # this step's (DELTA) or the whole turn's (FINAL_ONLY)
+            turn.tokens += tokens
             if self.calculate_log_probs:
-                log_probs = [position[t].logprob for position, t in zip(sample.logprobs, tokens)]
-            results.append(TurnResult(self.keys.pop(output.request_id), tokens, log_probs,
-                                      stopped=sample.finish_reason == "stop"))
+                turn.log_probs += [position[t].logprob for position, t in zip(sample.logprobs, tokens)]
+            if self.updates is not None:
+                turn.versions += [self.updates.version] * len(tokens)
+            if output.finished:
+                del self.turns[output.request_id]
+                results.append(TurnResult(turn.key, turn.tokens, turn.log_probs if self.calculate_log_probs else None,
+                                          stopped=sample.finish_reason == "stop",
+                                          versions=turn.versions if self.updates is not None else None))
         return results
+
+    def _take_weight_update(self) -> None:
+        if self.updates is None:
+            return
+        arrived = self.updates.arrived()
+        if self.agree is not None:
+            arrived = self.agree([arrived])[0]
+        if not arrived:
+            return
+        if not self.updates.partial:
+            self.updates.take()  # staged: these requests finish with the weights they started with
+            return
+        in_flight = list(self.turns.values())
+        self.engine.abort_request(list(self.turns))
+        self.turns.clear()
+        self.updates.take()  # loaded, and the prefix cache reset: the kept tokens' KV is recomputed
+        for turn in in_flight:
+            self._add(turn)
+        self.interrupted += len(in_flight)
 
 
 def _tensor_parallel_agreement(llm: LLM):

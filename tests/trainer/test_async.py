@@ -1,0 +1,89 @@
+"""Asynchronous training past one step (`trainer.async_steps=k`, `split`): the rollout pool generates the
+next k batches while the training pool trains, every token records the policy version that sampled it,
+and no token trained is more than k versions older than the policy it updates.
+
+Each run is the built-in task on 2 devices (one training worker, one standalone vLLM engine), in this
+process with the session's Ray. k >= 2 trains with decoupled PPO: the clip against the recomputed
+(proximal) log-probs, each token weighted by pi_proximal / pi_sampler (`algorithm.rollout_is=token`).
+"""
+
+import json
+
+import pytest
+
+from tests.trainer.learning import assert_learned, validation_curve
+from tests.trainer.test_placement import run_builtin
+
+STEPS = 8
+ASYNC = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "algorithm.rollout_is=token",
+         "trainer.test_freq=2", f"trainer.total_training_steps={STEPS}")
+
+
+def trained_steps(records: list[dict], k: int) -> list[dict]:
+    """The training steps, after checking the bound on each: no token more than k versions old, none dropped."""
+    steps = [r for r in records if "actor/pg_loss" in r]
+    for r in steps:
+        assert r["training/staleness/max"] <= k, r
+        assert r["training/staleness/dropped_samples"] == 0, r
+    return steps
+
+
+def prompts_of_step(dump_dir, step: int) -> list[str]:
+    with open(dump_dir / f"{step}.jsonl") as f:
+        return sorted({json.loads(line)["input"] for line in f})
+
+
+@pytest.fixture(scope="module")
+def async2_run(ray_session, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("async2")
+    return run_dir, run_builtin(run_dir, *ASYNC, "trainer.async_steps=2", "trainer.save_freq=4",
+                                f"trainer.rollout_data_dir={run_dir / 'dump'}")
+
+
+def test_two_steps_off_learns_within_the_bound(async2_run):
+    _, records = async2_run
+    assert_learned(validation_curve(records))
+    steps = trained_steps(records, k=2)
+    # the pipeline fills: step 1 is sampled by the policy it trains, step 2 one update behind, then two
+    assert [r["training/staleness/max"] for r in steps] == [0, 1] + [2] * (STEPS - 2)
+    # the engine generated while the trainer trained: after the warm-up the trainer waits for little of it
+    later = steps[3:]
+    waited = sorted(r["timing_s/gen"] for r in later)[len(later) // 2]
+    engine = sorted(r["timing_s/generate_worker"] for r in later)[len(later) // 2]
+    assert waited < 0.5 * engine, (waited, engine)
+
+
+def test_a_run_resumed_with_batches_in_flight_draws_them_again_within_the_bound(async2_run):
+    """The step-4 checkpoint was taken with the batches of steps 5 and 6 in flight (sampled by policy 3).
+    The resumed run draws those prompts again and generates them with the restored policy 4, so the
+    bound holds and staleness starts over; nothing sampled before the checkpoint is trained."""
+    run_dir, first = async2_run
+    resumed = run_builtin(run_dir, *ASYNC, "trainer.async_steps=2", "trainer.resume_mode=resume_path",
+                          f"trainer.resume_from_path={run_dir / 'checkpoints' / 'hflow' / 'default' / 'global_step_4'}",
+                          f"trainer.rollout_data_dir={run_dir / 'dump_resumed'}")[len(first):]
+    steps = trained_steps(resumed, k=2)
+    assert [r["step"] for r in steps] == list(range(5, STEPS + 1))
+    assert [r["training/staleness/max"] for r in steps] == [0, 1] + [2] * (STEPS - 6)
+    for step in (5, 6):
+        assert prompts_of_step(run_dir / "dump_resumed", step) == prompts_of_step(run_dir / "dump", step)
+
+
+def test_four_steps_off_with_partial_rollouts_learns_within_the_bound(ray_session, tmp_path):
+    """The engine takes 8 sequences at a time and every sample runs to 16 tokens (the reward still ends
+    at the first EOS), so generating a batch takes longer than training one and updates arrive while the
+    engine generates."""
+    records = run_builtin(tmp_path, *ASYNC[:-1], "trainer.total_training_steps=12", "trainer.async_steps=4",
+                          "actor_rollout_ref.rollout.partial_rollout=true", "actor_rollout_ref.rollout.max_num_seqs=8",
+                          "actor_rollout_ref.rollout.ignore_eos=true", "data.max_response_length=16")
+    assert_learned(validation_curve(records))
+    steps = trained_steps(records, k=4)
+    assert max(r["training/staleness/max"] for r in steps) == 4
+    # updates reached the engine while it generated: requests in flight went on with the new weights
+    assert sum(r.get("rollout/interrupted_requests", 0) for r in steps) > 0
+
+
+def test_dynamic_sampling_under_two_steps_off_learns_within_the_bound(ray_session, tmp_path):
+    records = run_builtin(tmp_path, *ASYNC, "trainer.async_steps=2", "algorithm.filter_groups.enable=true")
+    assert_learned(validation_curve(records))
+    steps = trained_steps(records, k=2)
+    assert max(r["train/num_gen_batches"] for r in steps) > 1, "no step drew more batches: filtering was not tested"
