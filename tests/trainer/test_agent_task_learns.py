@@ -5,11 +5,10 @@ with no data or model trains `hflow.tasks.agent_task`: multiplications of two 2-
 small model cannot do in its head (greedy, with tools: 0.015 on the held-out problems) but can with the
 built-in calculator, which it calls in a quarter of its samples. Held-out greedy episodes (with the tool)
 must go from <= 0.2 to >= 0.9 and stay there (tests/trainer/learning.py's mark) on the real engines (Ray,
-vLLM) colocated, with generation on its own devices two steps off with partial rollouts (`split`,
-`async_steps=2`, `partial_rollout`), on two ranks
-(one tensor-parallel engine; HF generation), and with the critic (GAE) on the local backend and the HF
-rollout. The control is the same GRPO run
-with a calculator that always fails: calling it earns nothing, and the score must stay <= 0.3.
+vLLM) colocated on two ranks sharing one tensor-parallel engine, with generation on its own devices two
+steps off with partial rollouts (`split`, `async_steps=2`, `partial_rollout`), and with the critic (GAE) on
+two ranks of HF generation. The control is a GRPO run on the local backend with a calculator that always
+fails: calling it earns nothing, and the score must stay <= 0.3.
 """
 
 import json
@@ -18,14 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.trainer.agent_controls import write_broken_tools
 from tests.trainer.learning import assert_learned, validation_curve
 
 VAL_KEY = "val-core/hflow/multiply/reward/mean@1"
-STEPS = 10
+STEPS = 6
 
 
 def run_agent_task(tmp_path: Path, *overrides: str, steps: int = STEPS) -> tuple[dict[int, float], list[dict]]:
@@ -40,7 +38,10 @@ def run_agent_task(tmp_path: Path, *overrides: str, steps: int = STEPS) -> tuple
 
 
 def test_grpo_learns_to_call_the_calculator_on_ray_and_vllm(tmp_path):
-    curve, records = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.rollout_data_dir=rollouts")
+    """Two ranks, one engine in tensor parallelism over both: only its first rank runs tools, and the
+    other adds the same turns at the same step."""
+    curve, records = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.rollout_data_dir=rollouts",
+                                    "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     assert_learned(curve)
     steps = [r for r in records if "agent/tool_calls/mean" in r]
     assert steps[0]["agent/tool_calls/mean"] < 0.5 < steps[-1]["agent/tool_calls/mean"], "it learned without the tool?"
@@ -53,24 +54,16 @@ def test_grpo_learns_with_generation_on_its_own_devices_two_steps_off_with_parti
     no token trained is more than two policy versions old."""
     curve, records = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.placement=split",
                                     "trainer.n_gpus_per_node=2", "trainer.async_steps=2", "algorithm.rollout_is=token",
-                                    "actor_rollout_ref.rollout.partial_rollout=true", steps=6)
+                                    "actor_rollout_ref.rollout.partial_rollout=true")
     assert_learned(curve)
     steps = [r for r in records if "actor/pg_loss" in r]
     assert max(r["training/staleness/max"] for r in steps) == 2
 
 
-@pytest.mark.parametrize("engine", [
-    ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],  # one engine on both ranks: only one runs tools
-    ["actor_rollout_ref.rollout.name=hf"],  # HF waves: both ranks step every wave together
-], ids=["vllm-tp2", "hf-two-ranks"])
-def test_grpo_learns_on_two_ranks(tmp_path, engine):
-    curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2", *engine, steps=6)
-    assert_learned(curve)
-
-
-def test_gae_learns_on_the_local_backend_with_hf_generation(tmp_path):
-    curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=gae", "trainer.backend=local",
-                              "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf")
+def test_gae_learns_on_two_ranks_with_hf_generation(tmp_path):
+    """HF generation advances in waves, and both ranks step every wave together."""
+    curve, _ = run_agent_task(tmp_path, "algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=2",
+                              "actor_rollout_ref.rollout.name=hf")
     assert_learned(curve)
 
 

@@ -1,7 +1,7 @@
 """The reward managers teach the built-in task: ``reward_model.reward_manager=batch`` (the user's function
 called once per batch, with lists), ``dapo`` (naive plus the overlong buffer, on by default for it), a manager
 the user's reward file registers, and the remote scorer (``custom_reward_function.url``, a scoring server
-in this test process). Each is the README's local-backend GRPO run for 8 steps (the built-in task is at
+in this test process). Each is the README's local-backend GRPO run for 6 steps (the built-in task is at
 0.9 by step 4), judged by the pass mark every learning test shares (tests/trainer/learning.py).
 """
 
@@ -17,7 +17,7 @@ from tests.conftest import REPO_ROOT
 from tests.trainer.learning import assert_learned, validation_curve
 from tests.workers.test_remote_scorer import start_server
 
-STEPS = 8
+STEPS = 6
 
 USER_FILE = '''
 from hflow.utils.reward_score import default_compute_score
