@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/placement.py                    # builtin, 3 placements x 3 repetitions (~15 min)
     .venv/bin/python bench/placement.py --workloads smollm2 --repeats 3   # ~7 min per configuration run
+    .venv/bin/python bench/placement.py --longtail --repeats 2             # long tail, 7 configurations (~15 min)
 
 Repetitions are interleaved: every repetition runs each configuration once, in an order rotated by one
 place per repetition (colocate, split, async; then split, async, colocate; ...), so that a change in the
@@ -38,6 +39,22 @@ right after a validation (in split/async the validation absorbs the engine's wei
 for the generation in flight) are left out of the per-step statistics, for every placement alike.
 Wall-clock for the score curves is the cumulative sum of `timing_s/step + timing_s/testing`, so
 nothing is left out there. Writes bench/results/placement.{md,json,png}.
+
+--longtail: a long-tailed workload under split, 1 rollout + 1 training device, in 7 configurations
+(`--configs`): sync (`trainer.async_steps=0`), async1, async2, async4 (`trainer.async_steps=k`), and
+async1/2/4+partial (`actor_rollout_ref.rollout.partial_rollout=true`); all with `algorithm.rollout_is=token`
+(k >= 2 needs it), so only the asynchrony differs. The workload is the built-in agentic task (multi_turn,
+no model or data) with a calculator that sleeps, for 5% of its calls, a Pareto-distributed time (a tool
+config written into the run's folder, see LONGTAIL): a tail of tool latency, episodes ending ~10x later
+than the median, because the policy's own responses (4 tokens, or ~28 with a call) are not 8x apart.
+Per configuration: s/step, the idle time of each pool (`timing_s/gen`: the trainer waited;
+`perf/rollout_idle_s`: the engine waited), the work of each (generate_worker, response tokens; old
+log-probs + reference + update), interrupted requests, staleness, the episode-end tail from the rollout
+dump, validation score against cumulative seconds, and LONGTAIL_MODEL's 2-device check and 8-GPU
+prediction. Same timing rules as above. Writes bench/results/placement_longtail.json and rewrites only the
+section of bench/results/placement.md between `<!-- longtail:start -->` and `<!-- longtail:end -->`
+(appended when absent); `--smoke` labels it a smoke run; `--longtail --rerender placement_longtail.json`
+rewrites it from the JSON.
 """
 
 from __future__ import annotations
@@ -148,10 +165,17 @@ def overrides_for(workload: str, placement: str, steps: int, test_freq: int, wor
 
 def run_config(workload: str, placement: str, steps: int, test_freq: int, work: Path,
                files: tuple[str, str, str] | None) -> dict:
+    return run_trainer(overrides_for(workload, placement, steps, test_freq, work, files), work)
+
+
+def run_trainer(overrides: list[str], work: Path) -> dict:
+    """`python -m hflow.trainer.main_ppo overrides` in a fresh process: its metrics.jsonl records, wall
+    time and the machine's load around and during it."""
     work.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "hflow.trainer.main_ppo",
-               *overrides_for(workload, placement, steps, test_freq, work, files)]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+    command = [sys.executable, "-m", "hflow.trainer.main_ppo", *overrides]
+    # PYTHONPATH: the long-tail workload's tool file imports hflow from the Ray worker that runs it
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     load_before = load_1min()
     started = time.perf_counter()
     loads: list[float] = []  # the machine's 1-minute load average, every 5 s while the run lasts
@@ -703,6 +727,415 @@ def write_report(report: dict, out: Path) -> None:
         curves=curve_table(results), model=model_text, gpu8=gpu8_text(report["model"])))
 
 
+# ---- the long-tailed workload (--longtail) ---------------------------------------------------------
+
+# The built-in agentic task (multiplications with a calculator tool, config/builtin_agent_task.yaml) with
+# a calculator that, for a few calls, answers late: its tail is tool latency (a slow API), not response
+# tokens. Its own responses are 4 tokens without a call and ~28 with one, < 8x, and the model soon calls
+# in every sample, so the token tail would fade within a few steps.
+LONGTAIL = {"steps": 12, "test_freq": 4, "warmup": 2, "batch_prompts": 32, "n": 8,
+            # per call: with probability slow_p the tool sleeps slow_min_s * Pareto(alpha), capped
+            "slow_p": 0.05, "slow_min_s": 0.75, "slow_alpha": 1.5, "slow_cap_s": 6.0, "tool_seed": SEED}
+# Every configuration: split, 1 rollout + 1 training device, decoupled PPO (k >= 2 needs it, so all
+# use it and only the asynchrony differs).
+LONGTAIL_CONFIGS = {
+    "sync": ["trainer.async_steps=0"],
+    **{f"async{k}": [f"trainer.async_steps={k}"] for k in (1, 2, 4)},
+    **{f"async{k}+partial": [f"trainer.async_steps={k}", "actor_rollout_ref.rollout.partial_rollout=true"]
+       for k in (1, 2, 4)},
+}
+LONGTAIL_MARKERS = ("<!-- longtail:start -->", "<!-- longtail:end -->")
+
+SLOW_TOOL = '''"""The built-in calculator, late for some calls (bench/placement.py --longtail wrote this file)."""
+import asyncio
+import random
+
+from hflow.agent.calculator import evaluate
+
+_rng = random.Random({tool_seed})
+
+
+async def calculator(expression: str) -> str:
+    if _rng.random() < {slow_p}:  # a slow call: heavy-tailed (Pareto) latency, capped
+        await asyncio.sleep(min({slow_cap_s}, {slow_min_s} * _rng.paretovariate({slow_alpha})))
+    return evaluate(expression)
+'''
+
+
+def write_slow_tools(folder: Path, spec: dict) -> Path:
+    """A tool config whose `calculator` is the function above (README "Agents": `function: file.py:name`),
+    with the built-in calculator's schema, so the model sees the same tool."""
+    import yaml
+
+    from hflow.agent.tools import CalculatorTool
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "slow_calculator.py").write_text(SLOW_TOOL.format(**spec))
+    path = folder / "slow_tools.yaml"
+    path.write_text(yaml.safe_dump({"tools": [{"function": "slow_calculator.py:calculator",
+                                               "tool_schema": CalculatorTool.DEFAULT_SCHEMA}]}))
+    return path
+
+
+def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tools: Path) -> list[str]:
+    return [
+        "actor_rollout_ref.rollout.multi_turn.enable=true",  # no model or data: the built-in agentic task
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "algorithm.adv_estimator=grpo", "algorithm.rollout_is=token",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.reuse_update_log_probs=false", "algorithm.use_rollout_log_probs=false",
+        f"data.seed={SEED}", f"trainer.seed={SEED}", f"actor_rollout_ref.rollout.seed={SEED}",
+        "trainer.placement=split", f"trainer.n_gpus_per_node={DEVICES}", "trainer.rollout_n_gpus=1",
+        "trainer.nnodes=1", "trainer.cpus_per_worker=1", f"ray_init.num_cpus={DEVICES}",
+        f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
+        "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "trainer.logger=[jsonl]", f"trainer.log_dir={work / 'logs'}", f"trainer.default_local_dir={work / 'ckpt'}",
+        f"trainer.rollout_data_dir={work / 'rollouts'}",
+        "trainer.project_name=bench_placement", f"trainer.experiment_name=longtail_{config}",
+        *LONGTAIL_CONFIGS[config],
+    ]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def episode_tail(rollout_dir: Path) -> list[dict]:
+    """Per training step, from the rollout dump: when each episode ended (s after its batch's generation
+    began; median, p90, max) and the share of samples that called the tool."""
+    out = []
+    for path in sorted(rollout_dir.glob("*.jsonl"), key=lambda p: int(p.stem)):
+        episodes = [json.loads(line)["episode"] for line in path.read_text().splitlines() if line.strip()]
+        ends = [float(e["finished_s"]) for e in episodes if e.get("finished_s") is not None]
+        if ends:
+            out.append({"step": int(path.stem), "end_median_s": statistics.median(ends),
+                        "end_p90_s": _percentile(ends, 0.9), "end_max_s": max(ends),
+                        "end_max_over_median": max(ends) / max(statistics.median(ends), 1e-9),
+                        "tool_share": sum(bool(e["tool_calls"]) for e in episodes) / len(episodes)})
+    return out
+
+
+LONGTAIL_SERIES = {  # column: value of one step's record
+    "step": lambda r: r["timing_s/step"],
+    "train_idle": lambda r: r.get("timing_s/gen", 0.0),  # the trainer waited for generation
+    "rollout_idle": lambda r: r.get("perf/rollout_idle_s", 0.0),  # the engine had no batch to work on
+    "generate_worker": lambda r: r.get("timing_s/generate_worker", 0.0),
+    "tokens": lambda r: r.get("response_length/mean", 0.0) * LONGTAIL["batch_prompts"] * LONGTAIL["n"],
+    "train": lambda r: sum(r.get(f"timing_s/{p}", 0.0) for p in TRAIN_PHASES),
+    "weights": weights_s,
+    "interrupted": lambda r: r.get("rollout/interrupted_requests", 0.0),
+    "staleness_mean": lambda r: r.get("training/staleness/mean", 0.0),
+    "staleness_max": lambda r: r.get("training/staleness/max", 0.0),
+}
+
+
+TAIL_KEYS = ("end_median_s", "end_p90_s", "end_max_s", "end_max_over_median", "tool_share")
+
+
+def longtail_summary(records: list[dict], tail: list[dict], warmup: int) -> dict:
+    """Medians (min-max) over the measured steps (the same rule as the placements'), and the tail."""
+    steps = measured_steps(records, warmup)
+    summary = {name: _stats([float(get(r)) for r in steps]) for name, get in LONGTAIL_SERIES.items()}
+    summary["measured_steps"] = [r["step"] for r in steps]
+    summary["interrupted_total"] = sum(LONGTAIL_SERIES["interrupted"](r) for r in training_steps(records))
+    summary["train_wall_s"] = sum(float(r["timing_s/step"]) + float(r.get("timing_s/testing", 0.0))
+                                  for r in training_steps(records))
+    kept = {r["step"] for r in steps}
+    for key in TAIL_KEYS:
+        summary[key] = _stats([t[key] for t in tail if t["step"] in kept and key in t])  # (older JSON: fewer)
+    lengths = [r for r in steps if "response_length/max" in r]
+    summary["response_tokens"] = {k: _stats([r[f"response_length/{k}"] for r in lengths]) for k in ("min", "mean", "max")}
+    return summary
+
+
+LONGTAIL_MODEL = """\
+One rollout worker generates one batch at a time (RolloutWorker.generate_sequences) and a batch ends with its
+last episode, so a batch takes G_b = max(G·D/R, L): the engine's work (scales with its devices) or the tail L
+(one late episode: a slow tool call does not get faster with more devices).
+    sync      t = G_b + W + T·D/(D−R) + O
+    async k   t = max(G_b, T·D/(D−R) + W + O)      (k >= 1 hides the shorter pool behind the longer one;
+                                                   more k only absorbs the batch-to-batch variation)
+    partial   t as async k, with G multiplied by the measured ratio of generate_worker with and without
+              partial rollouts (the KV recompute of interrupted requests). In hflow an update never waits
+              for the tail, with or without partial rollouts (without, it waits in host memory for the
+              next batch), so partial rollouts lower staleness, not the wait.
+Terms measured on 1 rollout + 1 training device, from sync: G = the engine's time to the p90 episode's end
+(its work without the tail), L = the last episode's end, T = old log-probs + reference + update, W = the
+weight stream, O = the rest of sync's step."""
+
+
+def longtail_model(configs: dict, D: int = 8) -> dict | None:
+    """LONGTAIL_MODEL's terms from the measured medians, its check on the 2 measured devices, and its
+    prediction for one D-GPU node."""
+    sync = configs.get("sync", {}).get("summary")
+    if not sync or not sync.get("step"):
+        return None
+    med = lambda s, k: s[k]["median"] if s.get(k) else 0.0  # noqa: E731
+    G, L, T, W = med(sync, "end_p90_s"), med(sync, "end_max_s"), med(sync, "train"), med(sync, "weights")
+    O = max(0.0, med(sync, "step") - med(sync, "train_idle") - T - W)
+    terms = {"G": G, "L": L, "T": T, "W": W, "O": O}
+    measured = {name: pair["summary"]["step"]["median"] for name, pair in configs.items()
+                if pair.get("summary", {}).get("step")}
+    gen_b = max(G, L)
+    check = {"sync": gen_b + W + T + O}
+    partial_factor = {}
+    for k in (1, 2, 4):
+        check[f"async{k}"] = max(gen_b, T + W + O)
+        plain, part = configs.get(f"async{k}", {}).get("summary"), configs.get(f"async{k}+partial", {}).get("summary")
+        partial_factor[k] = (med(part, "generate_worker") / med(plain, "generate_worker")
+                             if plain and part and med(plain, "generate_worker") > 0 else 1.0)
+        check[f"async{k}+partial"] = max(G * partial_factor[k], L, T + W + O)
+    # the same formulas with each configuration's own measured work (its batches' tails and its training
+    # differ: another random draw of slow calls, another policy), which tests max-versus-sum alone
+    own = {}
+    for name, pair in configs.items():
+        a = pair.get("summary")
+        if a and a.get("step"):
+            gen, work = med(a, "generate_worker"), med(a, "train") + med(a, "weights") + O
+            own[name] = gen + work if name == "sync" else max(gen, work)
+    # 8 GPUs: unit T = training on all 8; generation-bound as in the placements' prediction (G = 3T on
+    # all 8), and the tail and the stream in proportion to the measured G: L/G and W/T as measured here
+    G8, T8 = 3.0, 1.0
+    L8, W8 = G8 * L / G if G > 0 else 0.0, W / T * T8 if T > 0 else 0.0
+    by_r = {}
+    for R in range(1, D):
+        g, t = G8 * D / R, T8 * D / (D - R)
+        by_r[R] = {"sync": max(g, L8) + W8 + t, "async": max(max(g, L8), t + W8)}
+    best = {kind: min(by_r, key=lambda R: by_r[R][kind]) for kind in ("sync", "async")}
+    colocate = max(G8, L8) + T8  # colocated on all 8 (weight sync left out): also waits for the tail
+    # how the answer depends on the tail's size, which on GPUs is a guess: L from none to the measured ratio
+    tails = {}
+    for tail in sorted({0.0, G8 / 2, G8, 2 * G8, L8}):
+        t = {kind: min(max(G8 * D / R, tail) + W8 + T8 * D / (D - R) if kind == "sync"
+                       else max(G8 * D / R, tail, T8 * D / (D - R) + W8) for R in range(1, D))
+             for kind in ("sync", "async")}
+        tails[tail] = {**t, "colocate": max(G8, tail) + T8}
+    return {"terms": terms, "predicted_2dev": check, "predicted_2dev_own": own, "measured_2dev": measured,
+            "partial_gen_factor": partial_factor,
+            "gpu8": {"D": D, "G": G8, "T": T8, "L": L8, "W": W8, "colocate": colocate, "by_R": by_r, "best_R": best,
+                     "by_tail": tails}}
+
+
+def longtail_tables(results: dict) -> str:
+    header = ["config", "reps", "s/step", "training pool idle (gen waited)", "rollout pool idle",
+              "generate_worker", "response tokens/step", "train (old_lp+ref+update)", "weights",
+              "interrupted/step (total)", "staleness mean / max", "train wall s", "load before/after (mean)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, pair in results.items():
+        runs = [e for e in pair["runs"] if "summary" in e]
+        if not runs:
+            lines.append(f"| {name} | 0 | failed: {pair['runs'][0].get('error', '?') if pair['runs'] else '-'} |"
+                         + " |" * (len(header) - 3))
+            continue
+        a = pair["summary"]
+        lines.append("| " + " | ".join([
+            name, str(len(runs)), _cell(a["step"], True), _cell(a["train_idle"], True), _cell(a["rollout_idle"], True),
+            _cell(a["generate_worker"]), _cell(a["tokens"], fmt="{:.0f}"), _cell(a["train"]), _cell(a["weights"]),
+            f"{_cell(a['interrupted'], fmt='{:.0f}')} ({statistics.median(e['summary']['interrupted_total'] for e in runs):.0f})",
+            f"{_cell(a['staleness_mean'])} / {_cell(a['staleness_max'], fmt='{:.0f}')}",
+            f"{statistics.median(e['summary']['train_wall_s'] for e in runs):.0f}",
+            "; ".join(_load(e) for e in runs)]) + " |")
+    return "\n".join(lines)
+
+
+def longtail_tail_table(results: dict) -> str:
+    lines = ["| config | episode end median s | p90 s | max s | max / median (per step) | samples calling the tool | "
+             "response tokens min / mean / max |", "|---|---|---|---|---|---|---|"]
+    for name, pair in results.items():
+        a = pair.get("summary") or {}
+        if not a.get("end_max_s"):
+            continue
+        tokens = a["response_tokens"]
+        lines.append(f"| {name} | {_cell(a['end_median_s'], True)} | {_cell(a['end_p90_s'], True)} | "
+                     f"{_cell(a['end_max_s'], True)} | {_cell(a.get('end_max_over_median', {}), True, '{:.1f}x')} | {_cell(a['tool_share'], True, '{:.0%}')} | "
+                     f"{_cell(tokens['min'], fmt='{:.0f}')} / {_cell(tokens['mean'], fmt='{:.1f}')} / "
+                     f"{_cell(tokens['max'], fmt='{:.0f}')} |")
+    return "\n".join(lines)
+
+
+def longtail_curves(results: dict) -> str:
+    lines = ["| config | rep | validation score at step (cumulative s of step + validation) |", "|---|---|---|"]
+    for name, pair in results.items():
+        for entry in pair["runs"]:
+            points = ", ".join(f"{p['step']}: {p['score']:.3f} ({p['wall_s']:.0f} s)" for p in entry.get("curve", []))
+            lines.append(f"| {name} | {entry.get('repetition', 0) + 1} | {points or '-'} |")
+    return "\n".join(lines)
+
+
+def longtail_model_text(model: dict | None) -> str:
+    if model is None:
+        return "No model: the sync configuration did not complete."
+    t, p, m, g = model["terms"], model["predicted_2dev"], model["measured_2dev"], model["gpu8"]
+    check = ", ".join(f"{k} {p[k]:.2f} s (measured {m[k]:.2f})" for k in p if k in m)
+    own = ", ".join(f"{k} {v:.2f} s (measured {m[k]:.2f})" for k, v in model.get("predicted_2dev_own", {}).items())
+    rows = ["| R (rollout GPUs) | sync (T units, predicted) | async k >= 1 (T units, predicted) |", "|---|---|---|"]
+    rows += [f"| {R} | {v['sync']:.2f} | {v['async']:.2f} |" for R, v in g["by_R"].items()]
+    b = g["best_R"]
+    factors = ", ".join(f"k={k}: {f:.2f}x" for k, f in model["partial_gen_factor"].items())
+    sens = ["| tail L (T units) | colocate | best sync split | best async | async vs best sync |", "|---|---|---|---|---|"]
+    sens += [f"| {L:.2f}{' (measured ratio)' if L == g['L'] else ''} | {v['colocate']:.2f} | {v['sync']:.2f} | "
+             f"{v['async']:.2f} | {v['sync'] / v['async']:.2f}x faster |" for L, v in g["by_tail"].items()]
+    return (
+        "```\n" + LONGTAIL_MODEL + "\n```\n\n"
+        f"**Measured terms** (sync, medians, s): G = {t['G']:.3f} (p90 episode end), L = {t['L']:.3f} (last episode "
+        f"end), T = {t['T']:.3f}, W = {t['W']:.3f}, O = {t['O']:.3f}; partial rollouts' generate_worker relative to "
+        f"the same k without (measured): {factors}.\n\n"
+        f"**Model on these 2 devices (predicted from the sync terms) against measured s/step**: {check}. **The same "
+        "formulas with each configuration's own measured generate_worker, train and weights** (its own draw of slow "
+        f"calls and its own policy): {own}. On the shared 2 cores the two pools slow each other down when they run "
+        "at once, which the model leaves out; and async k = 1 pays each batch's own max(generation, training), "
+        "which varies from batch to batch, where k >= 2 evens it out.\n\n"
+        f"**Predicted, one 8-GPU node, this tail** (not measured; unit T = training on all 8 GPUs; generation-bound "
+        f"G = 3T on all 8 as in the placements' prediction; the tail L = {g['L']:.2f}T and the stream W = "
+        f"{g['W']:.2f}T in the measured proportions L/G and W/T; linear scaling of G and T; O left out): colocate "
+        f"(waits for the tail too) {g['colocate']:.2f}; best sync split R = {b['sync']}: {g['by_R'][b['sync']]['sync']:.2f}; "
+        f"best async R = {b['async']}: {g['by_R'][b['async']]['async']:.2f} "
+        f"({g['by_R'][b['sync']]['sync'] / g['by_R'][b['async']]['async']:.2f}x the best sync). Async k >= 1 is one "
+        "row for every k and with or without partial rollouts: more k and partial rollouts do not shorten the step "
+        "in this model (the engine still generates one batch at a time and each batch waits for its last episode); "
+        "they change staleness (k) and add KV recompute (partial). Once L > G·D/R, more rollout GPUs buy nothing: "
+        "the step is the tail.\n\n" + "\n".join(rows) + "\n\nThe tail's size on GPUs is the least certain term "
+        "(the tool's latency is the same in seconds, while GPUs shrink G and T): the same prediction for tails "
+        "from none to the measured ratio (predicted; best R for each):\n\n" + "\n".join(sens))
+
+
+LONGTAIL_MD = """## Long-tailed workload: async_steps 0, 1, 2, 4, with and without partial rollouts{smoke}
+
+Made by `{command}` at commit {commit} on {date}. Machine: {machine}; load average (1/5/15 min) at start
+{load}, at the end {load_end}. {elapsed}. Options: {options}. Settings: {settings}.
+
+**Workload** (measured tail below): the built-in agentic task (`actor_rollout_ref.rollout.multi_turn.enable=true`,
+no model or data: multiplications with a calculator tool, 32 problems x 8 samples, GRPO) with the bench's own
+tool config (`multi_turn.tool_config_path`, a `function: slow_calculator.py:calculator` tool written into the
+run's folder): the built-in calculator, except that a call sleeps, with probability {slow_p}, for {slow_min_s} s x
+Pareto(alpha={slow_alpha}) (capped at {slow_cap_s} s; seeded per process). The tail is **tool latency**, a slow
+external call, not response length: the policy's own responses are 4 tokens without a call and ~28 with one,
+under 8x, and the model soon calls the tool in every sample. Every configuration: split, 1 rollout device (a
+standalone vLLM engine) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
+sampler log-probs; k >= 2 needs it, so all use it), old log-probs recomputed, one optimizer step per step,
+validation (greedy, with the slow tool) before training and every {test_freq} steps. Configurations run
+interleaved, each a fresh trainer process.
+
+**The tail as measured** (per step: when each episode ended, s after its batch's generation began; medians over
+the measured steps [min-max]; response tokens are the policy's own, `response_length/*`):
+
+{tail}
+
+**Per configuration** (medians over the measured steps of each run, then over repetitions [min-max over the
+runs' medians]; all measured). `training pool idle` = `timing_s/gen`, what the trainer waited for its batch;
+`rollout pool idle` = `perf/rollout_idle_s`, what the engine waited for a batch to generate; `generate_worker`:
+the engine's generation time, its work (tool waits included); `response tokens/step` = `response_length/mean` x
+256 samples; `train` = old log-probs + reference + update, the training pool's work; `interrupted`:
+`rollout/interrupted_requests` (partial rollouts), median per step (total over the run). Both pools share 2 CPU
+cores with the driver and Ray, so read idle time and work beside s/step; a pool that sleeps on a tool call
+frees the cores for the other.
+
+{table}
+
+**Validation score against wall-clock** (measured; cumulative `timing_s/step + timing_s/testing`):
+
+{curves}
+
+### The model for the long tail
+
+{model}
+"""
+
+
+def write_longtail_report(report: dict, out: Path, md: Path) -> None:
+    """Summaries from the raw records, placement_longtail.json, and the long-tail section of placement.md
+    between its markers (the rest of the file is left as it is)."""
+    results, spec = report["results"], report["settings"]
+    for name, pair in results.items():
+        for entry in pair["runs"]:
+            if "records" in entry:
+                entry["summary"] = longtail_summary(entry["records"], entry.get("tail", []), spec["warmup"])
+                entry["curve"] = validation_curve(entry["records"])
+        runs = [e for e in pair["runs"] if "summary" in e]
+        if runs:  # across repetitions: the median (min-max) of the runs' medians, as aggregate() does
+            pair["summary"] = {k: _stats([e["summary"][k]["median"] for e in runs if e["summary"].get(k)])
+                               for k in [*LONGTAIL_SERIES, *TAIL_KEYS]}
+            pair["summary"]["response_tokens"] = {k: _stats([e["summary"]["response_tokens"][k]["median"] for e in runs
+                                                             if e["summary"]["response_tokens"][k]])
+                                                  for k in ("min", "mean", "max")}
+    report["model"] = longtail_model(results)
+    for pair in results.values():  # the JSON keeps what the report and a --rerender read
+        for entry in pair["runs"]:
+            if "records" in entry:
+                entry["records"] = [{k: v for k, v in r.items() if k == "step" or k.startswith(KEPT_METRICS + (
+                    "perf/rollout_idle_s", "rollout/", "response_length/"))} for r in entry["records"]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    elapsed = report["benchmark_wall_s"]
+    smoke = report["options"].get("smoke")
+    text = LONGTAIL_MD.format(
+        smoke=(f" (SMOKE RUN: {spec['steps']} steps, {report['options']['repeats']} repetition(s); checks that the "
+               "mode works end to end, too few steps to conclude from)") if smoke else "",
+        command=report["command"], commit=report["commit"], date=report["date"], machine=report["machine"],
+        load=report["load_at_start"], load_end=report.get("load_at_end", "?"),
+        elapsed=f"The benchmark took {elapsed / 60:.1f} min ({len(report['order'])} runs)",
+        options=json.dumps(report["options"]),
+        settings=(f"{spec['steps']} steps, first {spec['warmup']} warm-up; measured steps leave out the warm-up, the "
+                  "last step and each step right after a validation"),
+        test_freq=spec["test_freq"], **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
+        tail=longtail_tail_table(results), table=longtail_tables(results), curves=longtail_curves(results),
+        model=longtail_model_text(report["model"]))
+    print(text)
+    replace_section(md, text)
+
+
+def replace_section(md: Path, text: str) -> None:
+    """Put `text` between the long-tail markers of `md` (appended with its markers when absent); the rest
+    of the file stays as it is."""
+    start, end = LONGTAIL_MARKERS
+    old = md.read_text() if md.exists() else ""
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        md.write_text(f"{head}{start}\n{text.rstrip()}\n{end}{rest.split(end, 1)[1]}")
+    else:
+        md.write_text(old.rstrip("\n") + f"\n\n{start}\n{text.rstrip()}\n{end}\n")
+
+
+def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    configs = [c for c in (args.configs or ",".join(LONGTAIL_CONFIGS)).split(",") if c]
+    unknown = set(configs) - set(LONGTAIL_CONFIGS)
+    if unknown:
+        raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {list(LONGTAIL_CONFIGS)}")
+    spec = {**LONGTAIL, "steps": args.steps or LONGTAIL["steps"], "test_freq": args.test_freq or LONGTAIL["test_freq"],
+            "warmup": LONGTAIL["warmup"] if args.warmup is None else args.warmup}
+    order = schedule(["longtail"], configs, args.repeats)
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(),
+              "command": " ".join(["python bench/placement.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
+              "options": {"repeats": args.repeats, "configs": configs, "steps": spec["steps"],
+                          "test_freq": spec["test_freq"], "warmup": spec["warmup"], "smoke": args.smoke},
+              "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+              "order": [list(o) for o in order], "settings": spec, "results": {c: {"runs": []} for c in configs}}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="placement_longtail_") as tmp:
+        tools = write_slow_tools(Path(tmp) / "tools", spec)
+        for index, (rep, _, config) in enumerate(order):
+            work = Path(tmp) / config / f"rep{rep}"
+            log(f"run {index + 1}/{len(order)}: longtail {config} repetition {rep + 1} ({spec['steps']} steps, "
+                f"load {load_1min():.1f}) ...")
+            try:
+                entry = run_trainer(longtail_overrides(config, spec["steps"], spec["test_freq"], work, tools), work)
+                entry["tail"] = episode_tail(work / "rollouts")
+            except subprocess.CalledProcessError as error:
+                tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
+                log(f"longtail: {config} failed ({error}); last output:\n{tail}")
+                entry = {"error": str(error), "log_tail": tail}
+            entry.update(repetition=rep, order=index)
+            report["results"][config]["runs"].append(entry)
+            if "records" in entry:
+                median = longtail_summary(entry["records"], entry["tail"], spec["warmup"])["step"].get("median", math.nan)
+                log(f"  done in {entry['process_wall_s']:.0f}s: {median:.2f} s/step")
+    report["benchmark_wall_s"] = time.perf_counter() - started
+    report["load_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    write_longtail_report(report, args.out, args.out.parent / "placement.md")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="builtin", help=f"comma-separated, of {list(WORKLOADS)}")
@@ -713,7 +1146,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, help="steps left out of the statistics (default: per workload)")
     parser.add_argument("--out", type=Path, default=RESULTS / "placement")
     parser.add_argument("--rerender", type=Path, help="a placement.json: rewrite the report from its records, run nothing")
+    parser.add_argument("--longtail", action="store_true",
+                        help="the long-tailed workload and its configurations instead (see the docstring)")
+    parser.add_argument("--configs", help=f"--longtail: comma-separated, of {list(LONGTAIL_CONFIGS)} (default: all)")
+    parser.add_argument("--smoke", action="store_true", help="--longtail: label the report a smoke run")
     args = parser.parse_args(argv)
+    if args.longtail:
+        if args.out == RESULTS / "placement":
+            args.out = RESULTS / "placement_longtail"
+        if args.rerender:
+            report = json.loads(args.rerender.read_text())
+            write_longtail_report(report, args.out, args.out.parent / "placement.md")
+            return report
+        if args.repeats < 1:
+            parser.error("--repeats must be >= 1")
+        return main_longtail(args, argv)
     if args.rerender:
         report = json.loads(args.rerender.read_text())
         write_report(report, args.out)

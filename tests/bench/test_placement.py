@@ -160,3 +160,28 @@ def test_model_latency_bound_generation(placement):
     t = placement.model_step_s(G=3.0, T=1.0, D=8, R=1, alpha_gen=0.0)
     assert t["async"] == 3.0 and t["split"] == pytest.approx(3.0 + 8 / 7)
     assert placement.best_rollout_devices(3.0, 1.0, 8, alpha_gen=0.0)["async"] == 1
+
+
+def test_longtail_section_replaces_only_its_markers(placement, tmp_path):
+    md = tmp_path / "placement.md"
+    md.write_text("# Placement\n\nthe builtin report\n")
+    placement.replace_section(md, "first")
+    placement.replace_section(md, "second")
+    text = md.read_text()
+    assert text.startswith("# Placement\n\nthe builtin report\n")
+    assert text.count("<!-- longtail:start -->") == 1 and "second" in text and "first" not in text
+
+
+def test_longtail_model_waits_for_the_tail_in_sync_and_hides_it_in_async(placement, tmp_path):
+    # G (p90 end) 0.25, L (last end) 1.5, T 1.0, W 0.125; sync waited 1.5 and its step took 2.75 (O = 0.125)
+    stats = lambda v: {"median": v, "min": v, "max": v}  # noqa: E731
+    sync = {"step": stats(2.75), "train_idle": stats(1.5), "train": stats(1.0), "weights": stats(0.125),
+            "end_p90_s": stats(0.25), "end_max_s": stats(1.5), "generate_worker": stats(1.5)}
+    configs = {"sync": {"summary": sync}, "async2": {"summary": {**sync, "step": stats(1.6)}}}
+    model = placement.longtail_model(configs)
+    assert model["predicted_2dev"]["sync"] == pytest.approx(1.5 + 0.125 + 1.0 + 0.125)
+    assert model["predicted_2dev"]["async2"] == pytest.approx(1.5)  # the tail is longer than T + W + O
+    assert model["measured_2dev"] == {"sync": 2.75, "async2": 1.6}
+    gpu8 = model["gpu8"]
+    assert gpu8["L"] == pytest.approx(3.0 * 1.5 / 0.25)  # the tail in the measured proportion to G
+    assert all(row["async"] <= row["sync"] for row in gpu8["by_R"].values())
