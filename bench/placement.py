@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/placement.py                    # builtin, 3 placements x 3 repetitions (~15 min)
     .venv/bin/python bench/placement.py --workloads smollm2 --repeats 3   # ~7 min per configuration run
-    .venv/bin/python bench/placement.py --longtail --repeats 2             # long tail, 7 configurations (~15 min)
+    .venv/bin/python bench/placement.py --longtail --repeats 1             # long tail, 7 configurations (~12 min)
 
 Repetitions are interleaved: every repetition runs each configuration once, in an order rotated by one
 place per repetition (colocate, split, async; then split, async, colocate; ...), so that a change in the
@@ -45,13 +45,16 @@ nothing is left out there. Writes bench/results/placement.{md,json,png}.
 async1/2/4+partial (`actor_rollout_ref.rollout.partial_rollout=true`); all with `algorithm.rollout_is=token`
 (k >= 2 needs it), so only the asynchrony differs. The workload is the built-in agentic task (multi_turn,
 no model or data) with a calculator that sleeps, for 5% of its calls, a Pareto-distributed time (a tool
-config written into the run's folder, see LONGTAIL): a tail of tool latency, episodes ending ~10x later
-than the median, because the policy's own responses (4 tokens, or ~28 with a call) are not 8x apart.
+config written into the run's folder, see LONGTAIL): a tail of tool latency, the last episode of a batch
+ending ~10x later than the median one (measured in the report), because the policy's own responses (4
+tokens, or ~28 with a call) are not 8x apart.
 Per configuration: s/step, the idle time of each pool (`timing_s/gen`: the trainer waited;
 `perf/rollout_idle_s`: the engine waited), the work of each (generate_worker, response tokens; old
 log-probs + reference + update), interrupted requests, staleness, the episode-end tail from the rollout
-dump, validation score against cumulative seconds, and LONGTAIL_MODEL's 2-device check and 8-GPU
-prediction. Same timing rules as above. Writes bench/results/placement_longtail.json and rewrites only the
+dump, whole-run totals (with k >= 1 the trainer's waits move from the steps into the validations, which
+wait for the batches in flight, so the median s/step alone flatters async), validation score against
+cumulative seconds, and LONGTAIL_MODEL's 2-device check and 8-GPU prediction. Same timing rules as above;
+each run takes ~1.5-2 min on 2 cores (12 steps), so 7 configurations x 1 repetition ~12 min. Writes bench/results/placement_longtail.json and rewrites only the
 section of bench/results/placement.md between `<!-- longtail:start -->` and `<!-- longtail:end -->`
 (appended when absent); `--smoke` labels it a smoke run; `--longtail --rerender placement_longtail.json`
 rewrites it from the JSON.
@@ -731,8 +734,8 @@ def write_report(report: dict, out: Path) -> None:
 
 # The built-in agentic task (multiplications with a calculator tool, config/builtin_agent_task.yaml) with
 # a calculator that, for a few calls, answers late: its tail is tool latency (a slow API), not response
-# tokens. Its own responses are 4 tokens without a call and ~28 with one, < 8x, and the model soon calls
-# in every sample, so the token tail would fade within a few steps.
+# tokens. Its own responses are 4 tokens without a call and ~28 with one, < 8x, and the share of samples
+# that call grows as it learns, so a token tail would fade within a few steps.
 LONGTAIL = {"steps": 12, "test_freq": 4, "warmup": 2, "batch_prompts": 32, "n": 8,
             # per call: with probability slow_p the tool sleeps slow_min_s * Pareto(alpha), capped
             "slow_p": 0.05, "slow_min_s": 0.75, "slow_alpha": 1.5, "slow_cap_s": 6.0, "tool_seed": SEED}
@@ -839,8 +842,15 @@ def longtail_summary(records: list[dict], tail: list[dict], warmup: int) -> dict
     summary = {name: _stats([float(get(r)) for r in steps]) for name, get in LONGTAIL_SERIES.items()}
     summary["measured_steps"] = [r["step"] for r in steps]
     summary["interrupted_total"] = sum(LONGTAIL_SERIES["interrupted"](r) for r in training_steps(records))
-    summary["train_wall_s"] = sum(float(r["timing_s/step"]) + float(r.get("timing_s/testing", 0.0))
-                                  for r in training_steps(records))
+    every = training_steps(records)
+    summary["train_wall_s"] = sum(float(r["timing_s/step"]) + float(r.get("timing_s/testing", 0.0)) for r in every)
+    # whole-run totals: with k >= 2 the trainer's waits move into the validations (a validation waits for
+    # the batches in flight), which the per-step medians leave out
+    summary["totals"] = {"steps": len(every),
+                         "generate_worker": sum(float(LONGTAIL_SERIES["generate_worker"](r)) for r in every),
+                         "train_idle": sum(float(LONGTAIL_SERIES["train_idle"](r)) for r in every),
+                         "work": sum(float(LONGTAIL_SERIES["train"](r)) + weights_s(r) for r in every),
+                         "testing": sum(float(r.get("timing_s/testing", 0.0)) for r in records)}
     kept = {r["step"] for r in steps}
     for key in TAIL_KEYS:
         summary[key] = _stats([t[key] for t in tail if t["step"] in kept and key in t])  # (older JSON: fewer)
@@ -886,14 +896,20 @@ def longtail_model(configs: dict, D: int = 8) -> dict | None:
         partial_factor[k] = (med(part, "generate_worker") / med(plain, "generate_worker")
                              if plain and part and med(plain, "generate_worker") > 0 else 1.0)
         check[f"async{k}+partial"] = max(G * partial_factor[k], L, T + W + O)
-    # the same formulas with each configuration's own measured work (its batches' tails and its training
-    # differ: another random draw of slow calls, another policy), which tests max-versus-sum alone
-    own = {}
+    # the same formulas summed over each run's own steps (its own draw of slow calls, its own policy), plus
+    # sync's validation time (nothing in flight there) for the validations: the whole run's wall-clock
+    whole = {}
+    validation = statistics.median(e["summary"]["totals"]["testing"] for e in configs["sync"]["runs"]
+                                   if "summary" in e)
     for name, pair in configs.items():
-        a = pair.get("summary")
-        if a and a.get("step"):
-            gen, work = med(a, "generate_worker"), med(a, "train") + med(a, "weights") + O
-            own[name] = gen + work if name == "sync" else max(gen, work)
+        for entry in pair["runs"]:
+            if "summary" not in entry:
+                continue
+            t = entry["summary"]["totals"]
+            gen, work = t["generate_worker"], t["work"] + O * t["steps"]
+            whole.setdefault(name, []).append({
+                "predicted": (gen + work if name == "sync" else max(gen, work)) + validation,
+                "measured": entry["summary"]["train_wall_s"]})
     # 8 GPUs: unit T = training on all 8; generation-bound as in the placements' prediction (G = 3T on
     # all 8), and the tail and the stream in proportion to the measured G: L/G and W/T as measured here
     G8, T8 = 3.0, 1.0
@@ -911,7 +927,7 @@ def longtail_model(configs: dict, D: int = 8) -> dict | None:
                        else max(G8 * D / R, tail, T8 * D / (D - R) + W8) for R in range(1, D))
              for kind in ("sync", "async")}
         tails[tail] = {**t, "colocate": max(G8, tail) + T8}
-    return {"terms": terms, "predicted_2dev": check, "predicted_2dev_own": own, "measured_2dev": measured,
+    return {"terms": terms, "predicted_2dev": check, "predicted_run": whole, "measured_2dev": measured,
             "partial_gen_factor": partial_factor,
             "gpu8": {"D": D, "G": G8, "T": T8, "L": L8, "W": W8, "colocate": colocate, "by_R": by_r, "best_R": best,
                      "by_tail": tails}}
@@ -920,7 +936,8 @@ def longtail_model(configs: dict, D: int = 8) -> dict | None:
 def longtail_tables(results: dict) -> str:
     header = ["config", "reps", "s/step", "training pool idle (gen waited)", "rollout pool idle",
               "generate_worker", "response tokens/step", "train (old_lp+ref+update)", "weights",
-              "interrupted/step (total)", "staleness mean / max", "train wall s", "load before/after (mean)"]
+              "interrupted/step (total)", "staleness mean / max", "run totals: engine busy / trainer waited / "
+              "training work / validation s", "wall s (steps + validation)", "load before/after (mean)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, pair in results.items():
         runs = [e for e in pair["runs"] if "summary" in e]
@@ -934,7 +951,9 @@ def longtail_tables(results: dict) -> str:
             _cell(a["generate_worker"]), _cell(a["tokens"], fmt="{:.0f}"), _cell(a["train"]), _cell(a["weights"]),
             f"{_cell(a['interrupted'], fmt='{:.0f}')} ({statistics.median(e['summary']['interrupted_total'] for e in runs):.0f})",
             f"{_cell(a['staleness_mean'])} / {_cell(a['staleness_max'], fmt='{:.0f}')}",
-            f"{statistics.median(e['summary']['train_wall_s'] for e in runs):.0f}",
+            "; ".join(" / ".join(f"{e['summary']['totals'][k]:.0f}" for k in ("generate_worker", "train_idle", "work",
+                                                                            "testing")) for e in runs),
+            "; ".join(f"{e['summary']['train_wall_s']:.0f}" for e in runs),
             "; ".join(_load(e) for e in runs)]) + " |")
     return "\n".join(lines)
 
@@ -968,7 +987,8 @@ def longtail_model_text(model: dict | None) -> str:
         return "No model: the sync configuration did not complete."
     t, p, m, g = model["terms"], model["predicted_2dev"], model["measured_2dev"], model["gpu8"]
     check = ", ".join(f"{k} {p[k]:.2f} s (measured {m[k]:.2f})" for k in p if k in m)
-    own = ", ".join(f"{k} {v:.2f} s (measured {m[k]:.2f})" for k, v in model.get("predicted_2dev_own", {}).items())
+    whole = ", ".join(f"{k} " + " / ".join(f"{r['predicted']:.0f} s (measured {r['measured']:.0f})" for r in runs)
+                      for k, runs in model.get("predicted_run", {}).items())
     rows = ["| R (rollout GPUs) | sync (T units, predicted) | async k >= 1 (T units, predicted) |", "|---|---|---|"]
     rows += [f"| {R} | {v['sync']:.2f} | {v['async']:.2f} |" for R, v in g["by_R"].items()]
     b = g["best_R"]
@@ -981,11 +1001,12 @@ def longtail_model_text(model: dict | None) -> str:
         f"**Measured terms** (sync, medians, s): G = {t['G']:.3f} (p90 episode end), L = {t['L']:.3f} (last episode "
         f"end), T = {t['T']:.3f}, W = {t['W']:.3f}, O = {t['O']:.3f}; partial rollouts' generate_worker relative to "
         f"the same k without (measured): {factors}.\n\n"
-        f"**Model on these 2 devices (predicted from the sync terms) against measured s/step**: {check}. **The same "
-        "formulas with each configuration's own measured generate_worker, train and weights** (its own draw of slow "
-        f"calls and its own policy): {own}. On the shared 2 cores the two pools slow each other down when they run "
-        "at once, which the model leaves out; and async k = 1 pays each batch's own max(generation, training), "
-        "which varies from batch to batch, where k >= 2 evens it out.\n\n"
+        f"**Model on these 2 devices (predicted from the sync terms) against the measured median s/step**: {check}. "
+        "For k >= 1 the medians come out below the prediction because the trainer's waits move out of the steps into "
+        "the validations (a validation waits for the batches in flight; more so with more k) and the median skips "
+        "the slow steps. **The whole run** (the same formulas summed over each run's own steps, with its own draw "
+        "of slow calls: sync Σ(G_b + T + W + O), async max(ΣG_b, Σ(T + W + O)), G_b = its generate_worker, plus "
+        f"sync's validation time), predicted against measured step + validation seconds: {whole}.\n\n"
         f"**Predicted, one 8-GPU node, this tail** (not measured; unit T = training on all 8 GPUs; generation-bound "
         f"G = 3T on all 8 as in the placements' prediction; the tail L = {g['L']:.2f}T and the stream W = "
         f"{g['W']:.2f}T in the measured proportions L/G and W/T; linear scaling of G and T; O left out): colocate "
@@ -1011,7 +1032,7 @@ tool config (`multi_turn.tool_config_path`, a `function: slow_calculator.py:calc
 run's folder): the built-in calculator, except that a call sleeps, with probability {slow_p}, for {slow_min_s} s x
 Pareto(alpha={slow_alpha}) (capped at {slow_cap_s} s; seeded per process). The tail is **tool latency**, a slow
 external call, not response length: the policy's own responses are 4 tokens without a call and ~28 with one,
-under 8x, and the model soon calls the tool in every sample. Every configuration: split, 1 rollout device (a
+under 8x, and the share that calls the tool grows as the model learns. Every configuration: split, 1 rollout device (a
 standalone vLLM engine) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
 sampler log-probs; k >= 2 needs it, so all use it), old log-probs recomputed, one optimizer step per step,
 validation (greedy, with the slow tool) before training and every {test_freq} steps. Configurations run
@@ -1027,7 +1048,10 @@ runs' medians]; all measured). `training pool idle` = `timing_s/gen`, what the t
 `rollout pool idle` = `perf/rollout_idle_s`, what the engine waited for a batch to generate; `generate_worker`:
 the engine's generation time, its work (tool waits included); `response tokens/step` = `response_length/mean` x
 256 samples; `train` = old log-probs + reference + update, the training pool's work; `interrupted`:
-`rollout/interrupted_requests` (partial rollouts), median per step (total over the run). Both pools share 2 CPU
+`rollout/interrupted_requests` (partial rollouts), median per step (total over the run); run totals: sums
+over all steps of generate_worker, timing_s/gen, train + weights, and timing_s/testing (each repetition, `;`
+between). With k >= 1 the waits move out of the steps into the validations, which wait for the batches in
+flight: compare the wall column and the totals, not only the median s/step. Both pools share 2 CPU
 cores with the driver and Ray, so read idle time and work beside s/step; a pool that sleeps on a tool call
 frees the cores for the other.
 
@@ -1104,11 +1128,15 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
         raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {list(LONGTAIL_CONFIGS)}")
     spec = {**LONGTAIL, "steps": args.steps or LONGTAIL["steps"], "test_freq": args.test_freq or LONGTAIL["test_freq"],
             "warmup": LONGTAIL["warmup"] if args.warmup is None else args.warmup}
+    for key in ("slow_p", "slow_min_s"):
+        if getattr(args, key) is not None:
+            spec[key] = getattr(args, key)
     order = schedule(["longtail"], configs, args.repeats)
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(),
               "command": " ".join(["python bench/placement.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
               "options": {"repeats": args.repeats, "configs": configs, "steps": spec["steps"],
-                          "test_freq": spec["test_freq"], "warmup": spec["warmup"], "smoke": args.smoke},
+                          "test_freq": spec["test_freq"], "warmup": spec["warmup"], "smoke": args.smoke,
+                          "slow_p": spec["slow_p"], "slow_min_s": spec["slow_min_s"]},
               "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
               "order": [list(o) for o in order], "settings": spec, "results": {c: {"runs": []} for c in configs}}
     started = time.perf_counter()
@@ -1150,6 +1178,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the long-tailed workload and its configurations instead (see the docstring)")
     parser.add_argument("--configs", help=f"--longtail: comma-separated, of {list(LONGTAIL_CONFIGS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="--longtail: label the report a smoke run")
+    parser.add_argument("--slow-p", type=float, help=f"--longtail: share of slow tool calls (default {LONGTAIL['slow_p']})")
+    parser.add_argument("--slow-min-s", type=float,
+                        help=f"--longtail: a slow call's shortest sleep, s (default {LONGTAIL['slow_min_s']})")
     args = parser.parse_args(argv)
     if args.longtail:
         if args.out == RESULTS / "placement":

@@ -177,8 +177,14 @@ def test_longtail_model_waits_for_the_tail_in_sync_and_hides_it_in_async(placeme
     stats = lambda v: {"median": v, "min": v, "max": v}  # noqa: E731
     sync = {"step": stats(2.75), "train_idle": stats(1.5), "train": stats(1.0), "weights": stats(0.125),
             "end_p90_s": stats(0.25), "end_max_s": stats(1.5), "generate_worker": stats(1.5)}
-    configs = {"sync": {"summary": sync}, "async2": {"summary": {**sync, "step": stats(1.6)}}}
+    # whole runs of 4 steps: the engine busy 6 s, training work 4.5 s, validations 2 s (sync)
+    totals = {"steps": 4, "generate_worker": 6.0, "train_idle": 6.0, "work": 4.5, "testing": 2.0}
+    run = lambda wall: [{"summary": {"totals": totals, "train_wall_s": wall}}]  # noqa: E731
+    configs = {"sync": {"summary": sync, "runs": run(13.0)},
+               "async2": {"summary": {**sync, "step": stats(1.6)}, "runs": run(8.5)}}
     model = placement.longtail_model(configs)
+    assert model["predicted_run"]["sync"] == [{"predicted": 6.0 + 4.5 + 4 * 0.125 + 2.0, "measured": 13.0}]
+    assert model["predicted_run"]["async2"] == [{"predicted": 6.0 + 2.0, "measured": 8.5}]
     assert model["predicted_2dev"]["sync"] == pytest.approx(1.5 + 0.125 + 1.0 + 0.125)
     assert model["predicted_2dev"]["async2"] == pytest.approx(1.5)  # the tail is longer than T + W + O
     assert model["measured_2dev"] == {"sync": 2.75, "async2": 1.6}
