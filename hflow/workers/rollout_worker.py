@@ -68,10 +68,14 @@ class RolloutWorker(Worker):
         if not device.is_cuda():
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # see ActorRolloutRefWorker._build_rollout
         from hflow.workers.rollout import vLLMRollout
+        from hflow.workers.rollout.vllm_rollout import tensor_parallel_agreement
         from hflow.workers.sharding_manager import VLLMGenerationContext
 
         rollout_cfg.load_format = "dummy"  # every weight arrives over the stream before the first generation
         self.rollout = vLLMRollout(model_cfg.path, rollout_cfg, self.tokenizer, self.hf_config, device_mesh=mesh)
+        # The ranks of one tensor-parallel engine must take an update at the same point, or one would wait in
+        # the weight broadcast while the other waits in the engine's step: the group's first rank decides.
+        self._tp_agree = tensor_parallel_agreement(self.rollout.llm)
         self.context = VLLMGenerationContext(self.rollout, mesh)
         info = self.engine_info()
         logger.info("rollout rank %d: vLLM engine with tensor_parallel_size=%d (TP rank %d of DP replica %d), "
@@ -107,9 +111,13 @@ class RolloutWorker(Worker):
         if self._staged is not None:
             staged, self._staged = self._staged, None
             self._load(staged, staged.version)
-        while self._update_waiting() or self.weights_version < version:
+        while self._agreed_update_waiting() or self.weights_version < version:
             self._wait_for_announcement(version)
             self._receive(into_engine=True)
+
+    def _agreed_update_waiting(self) -> bool:
+        waiting = self._update_waiting()
+        return waiting if self._tp_agree is None else bool(self._tp_agree([waiting])[0])
 
     def _update_waiting(self) -> bool:
         return self.weight_group.updates_announced() > self._updates_received

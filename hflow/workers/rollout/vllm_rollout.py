@@ -193,7 +193,7 @@ class vLLMRollout(BaseRollout):
         pad_token_id = prompts.meta_info["pad_token_id"]
         if self.multi_turn is not None or weight_updates is not None:
             params = self._sampling_params(dataclasses.replace(settings, n=1), eos_token_id)
-            agree = _tensor_parallel_agreement(self.llm)
+            agree = tensor_parallel_agreement(self.llm)
             engine = _StreamingEngine(self.llm, params, self.calculate_log_probs, weight_updates, agree)
             if self.multi_turn is not None:
                 output = self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs, agree=agree)
@@ -386,7 +386,7 @@ class _StreamingEngine(TurnEngine):
         self.interrupted += len(in_flight)
 
 
-def _tensor_parallel_agreement(llm: LLM):
+def tensor_parallel_agreement(llm: LLM):
     """For an engine shared by a tensor-parallel group: every rank must add the same turns at the same
     step, so only the group's first rank runs tools, and its results reach the others at each step."""
     if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 1:
