@@ -56,7 +56,9 @@ def test_two_steps_off_learns_within_the_bound(async2_run):
 def test_a_run_resumed_with_batches_in_flight_draws_them_again_within_the_bound(async2_run):
     """The step-4 checkpoint was taken with the batches of steps 5 and 6 in flight (sampled by policy 3).
     The resumed run draws those prompts again and generates them with the restored policy 4, so the
-    bound holds and staleness starts over; nothing sampled before the checkpoint is trained."""
+    bound holds and staleness starts over; nothing sampled before the checkpoint is trained. The engine
+    starts with placeholder weights: step 5, sampled and trained by policy 4, shows in fp32 that the
+    restored weights were streamed to it before it sampled."""
     run_dir, first = async2_run
     resumed = run_builtin(run_dir, *ASYNC, "trainer.async_steps=2", "trainer.resume_mode=resume_path",
                           f"trainer.resume_from_path={run_dir / 'checkpoints' / 'hflow' / 'default' / 'global_step_4'}",
@@ -66,13 +68,14 @@ def test_a_run_resumed_with_batches_in_flight_draws_them_again_within_the_bound(
     assert [r["training/staleness/max"] for r in steps] == [0, 1] + [2] * (STEPS - 6)
     for step in (5, 6):
         assert prompts_of_step(run_dir / "dump_resumed", step) == prompts_of_step(run_dir / "dump", step)
+    assert steps[0]["training/rollout_log_probs_diff_max"] < 1e-4, steps[0]
 
 
 def test_four_steps_off_with_partial_rollouts_learns_within_the_bound(ray_session, tmp_path):
     """The engine takes 8 sequences at a time and every sample runs to 16 tokens (the reward still ends
     at the first EOS), so generating a batch takes longer than training one and updates arrive while the
     engine generates."""
-    records = run_builtin(tmp_path, *ASYNC[:-1], "trainer.total_training_steps=12", "trainer.async_steps=4",
+    records = run_builtin(tmp_path, *ASYNC[:-1], "trainer.total_training_steps=10", "trainer.async_steps=4",
                           "actor_rollout_ref.rollout.partial_rollout=true", "actor_rollout_ref.rollout.max_num_seqs=8",
                           "actor_rollout_ref.rollout.ignore_eos=true", "data.max_response_length=16")
     assert_learned(validation_curve(records))

@@ -26,7 +26,7 @@ from tests.trainer.learning import assert_learned, validation_curve
 from tests.trainer.test_local_backend import IMPORT_BLOCKER
 
 CONTROLS = str(Path(__file__).with_name("reward_controls.py"))
-STEPS = 12
+STEPS = 8
 
 
 def _validation_scores(tmp_path, estimator, reward_name):
