@@ -158,7 +158,8 @@ class StagedWeights:
 
     def __init__(self, group: WeightGroup, manifest: WeightManifest, version: int):
         self.version = int(version)
-        self.tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in receive_weights(group, manifest)]
+        # each buffer is fresh, so on CPU it is kept as received; a device buffer is copied out and freed
+        self.tensors = [(name, tensor.cpu()) for name, tensor in receive_weights(group, manifest)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         target = device.get_device()
