@@ -118,6 +118,55 @@ class _FSDPModelHolder:
         if optim and optimizer is not None:
             fsdp_utils.load_optimizer(optimizer)
 
+    # ---- the health watch's last healthy state (trainer.health; see hflow.utils.snapshot) -----------
+
+    def _trainable_parts(self) -> tuple:
+        """(module, optimizer, scheduler, optim config, extra tensors to keep, loss config with clip ratios)."""
+        raise NotImplementedError
+
+    def _health_snapshots(self) -> dict:
+        if getattr(self, "_snapshots", None) is None:
+            from hflow.utils.snapshot import HostSnapshot
+
+            module, optimizer, scheduler, _, extra, _ = self._trainable_parts()
+            # two host copies: the state at the start of this step, and the last one a step proved healthy
+            self._snapshots = {slot: HostSnapshot(module, optimizer, scheduler, extra) for slot in ("candidate", "healthy")}
+        return self._snapshots
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def snapshot_state(self) -> None:
+        """Copy this rank's trainable state (shards, optimizer, scheduler) to host memory: the candidate."""
+        self._health_snapshots()["candidate"].take()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def commit_snapshot(self) -> None:
+        """The candidate is now the last healthy state (its step passed the health watch)."""
+        snapshots = self._health_snapshots()
+        snapshots["candidate"], snapshots["healthy"] = snapshots["healthy"], snapshots["candidate"]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def restore_snapshot(self, slot: str = "healthy") -> None:
+        """Write a kept state (`healthy`, or `candidate`: this step's start) back into the live shards,
+        optimizer and scheduler."""
+        self._health_snapshots()[slot].restore()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_health_factors(self, lr_factor: float, clip_factor: float) -> None:
+        """The health watch's remedies: learning rate = optim.lr x lr_factor (the schedule's shape kept),
+        PPO clip ratios = their configured values x clip_factor (the actor only)."""
+        _, optimizer, scheduler, optim_config, _, loss_config = self._trainable_parts()
+        scheduler.base_lrs = [float(optim_config.lr) * lr_factor for _ in scheduler.base_lrs]
+        lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs  # what get_last_lr() reports
+        if loss_config is not None:
+            if not hasattr(self, "_configured_clip"):
+                self._configured_clip = {key: loss_config.get(key) for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")}
+            for key, value in self._configured_clip.items():
+                if value is not None:
+                    loss_config[key] = float(value) * clip_factor
+
 
 class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
     """Actor, rollout and/or reference policy in one process (`role` says which).
@@ -217,6 +266,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                       self._offload_param, self._offload_optim)
         self._offload(getattr(self, "ref_module", None), None, self._offload_ref_param, False)
 
+    def _trainable_parts(self) -> tuple:
+        self._require(self._is_actor, "the health watch's snapshots", "actor")
+        extra = {f"ema/{name}": average for name, average in self.actor_ema.averages.items()} if self.actor_ema else {}
+        return (self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.config.actor.optim, extra,
+                self.config.actor)
+
     def _build_ptx_and_ema(self) -> None:
         """PPO-ptx's text sampler (this rank's own draws) and the EMA of the actor's shards, when configured."""
         actor_cfg = self.config.actor
@@ -313,8 +368,15 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self._require(self._is_actor, "update_actor", "actor")
         self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         data.meta_info["temperature"] = self.config.rollout.temperature
+        # trainer.health.inject: a fault on purpose, to see the health watch catch it
+        fault = data.meta_info.get("inject_fault") or {}
+        if fault.get("kind") == "lr_scale":  # this update only: the scheduler's step below sets the rate again
+            for group in self.actor_optimizer.param_groups:
+                group["lr"] *= float(fault["value"])
+        self.actor.nan_logits = fault.get("kind") == "nan_logits"
         started = time.perf_counter()
         metrics = self.actor.update_policy(data.to(device.get_device()))
+        self.actor.nan_logits = False
         device.synchronize()  # the last optimizer step is still running on the GPU
         elapsed = time.perf_counter() - started
         metrics["timing_s/update_actor_worker"] = elapsed
@@ -451,6 +513,9 @@ class CriticWorker(Worker, _FSDPModelHolder):
             self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer,
             contents=self.config.checkpoint.contents)
         self._offload(self.critic_module, self.critic_optimizer, self._offload_param, self._offload_optim)
+
+    def _trainable_parts(self) -> tuple:
+        return self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.config.optim, {}, None
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

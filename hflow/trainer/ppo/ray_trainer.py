@@ -29,6 +29,8 @@ from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGro
 from hflow.algorithms import core_algos
 from hflow.config_schema import placement_pools
 from hflow.trainer.ppo import dapo, reward_shaping
+from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
+                                      zero_advantage_group_frac)
 from hflow.workers.reward_manager.dapo import GENERATED_RESPONSE_MASK
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
@@ -196,6 +198,12 @@ class RayPPOTrainer:
         self._scoring = (ThreadPoolExecutor(1, thread_name_prefix="hflow-scoring")
                          if self.async_steps and not self.use_rm else None)
         self._stream_metrics: dict[str, float] = {}  # the latest weight stream's, for the next step's log
+        check_health_config(config)
+        self.health = HealthWatch(trainer_cfg.health, trainer_cfg.log_dir) if trainer_cfg.health.enable else None
+        self._healthy_kept = False  # memory snapshots: a step has passed since the run (re)started
+        self._driver_snapshots: dict[str, dict] = {}  # the driver's share of the candidate / healthy state
+        self._healthy_checkpoint: int | None = None  # snapshot=checkpoint: the newest saved step a healthy step followed
+        self._unconfirmed_checkpoint: int | None = None
 
     def _total_training_steps(self) -> int:
         if self.config.trainer.total_training_steps:
@@ -313,19 +321,24 @@ class RayPPOTrainer:
             self.global_steps += 1
             is_last_step = self.global_steps >= self.total_training_steps
             timing: dict[str, float] = {}
+            if self.health is not None:
+                self._keep_step_start()
             with timer("step", timing):
                 rollout, rollout_metrics = self._next_rollout(timing)
                 metrics = self.train_step(rollout, timing)
             metrics.update(rollout_metrics)
             metrics.update(self._step_summary(rollout.batch, timing))
+            rolled_back = self.health is not None and self._watch_health(metrics)
             if self.val_reward_fn is not None and (
                     is_last_step or (trainer_cfg.test_freq > 0 and self.global_steps % trainer_cfg.test_freq == 0)):
                 with timer("testing", timing):
                     val_metrics = self._validate()
                 metrics.update(val_metrics)
-            if trainer_cfg.save_freq > 0 and (is_last_step or self.global_steps % trainer_cfg.save_freq == 0):
+            # after a rollback the restored state is saved at once, so a resume never starts from the unhealthy one
+            if trainer_cfg.save_freq > 0 and (is_last_step or self.global_steps % trainer_cfg.save_freq == 0
+                                              or rolled_back):
                 with timer("save_checkpoint", timing):
-                    self._save_checkpoint()
+                    self._save_checkpoint(healthy=rolled_back)
             metrics.update({f"timing_s/{k}": v for k, v in timing.items() if k in ("testing", "save_checkpoint")})
             metrics["training/global_step"] = self.global_steps
             metrics["training/epoch"] = self.train_dataloader.epoch
@@ -405,6 +418,11 @@ class RayPPOTrainer:
         metrics: dict[str, float] = {}
         # 2-3. group ids, samples aligned with their prompts, rewards
         batch, reward = self._scored_batch(rollout, metrics, timing)
+        faults = faults_at(self.config.trainer.health.inject, self.global_steps)
+        for fault in faults:
+            if fault["kind"] == "reward":  # a broken reward, on purpose (trainer.health.inject)
+                batch.batch["token_level_scores"] = poison_scores(
+                    batch.batch["token_level_scores"], batch.batch["response_mask"], fault["value"])
         if algo.filter_groups.enable:  # DAPO dynamic sampling: train only on groups whose samples differ
             batch = self._fill_batch_with_informative_groups(batch, reward, metrics, timing)
         metrics.update(self._bound_staleness(batch, rollout.version))
@@ -451,6 +469,8 @@ class RayPPOTrainer:
             else:
                 batch.batch["token_level_rewards"] = scores
             compute_advantage(batch, algo)
+        metrics["training/zero_adv_group_frac"] = zero_advantage_group_frac(
+            batch.batch["advantages"], batch.batch["response_mask"], batch.non_tensor_batch["uid"])
 
         # 7. update the critic, then (after the warm-up) the actor
         if self.use_critic:
@@ -458,6 +478,9 @@ class RayPPOTrainer:
                 critic_output = self.critic_wg.update_critic(batch)
             metrics.update(reduce_metrics(critic_output.meta_info["metrics"]))
         if self.config.trainer.critic_warmup <= self.global_steps - 1:
+            update_faults = [f for f in faults if f["kind"] != "reward"]
+            if update_faults:  # trainer.health.inject: the worker applies it to this update only
+                batch.meta_info["inject_fault"] = update_faults[0]
             with timer("update_actor", timing):
                 actor_output = self.actor_rollout_wg.update_actor(batch)
             self.policy_version += 1
@@ -663,6 +686,86 @@ class RayPPOTrainer:
         infos = {"reward": scores, **{k: v for k, v in extra_infos.items() if len(v) == len(scores)}}
         return format_validation_metrics(process_validation_metrics(np.array(data_sources, dtype=object), inputs, infos))
 
+    # ------------------------------------------------------------------ the health watch (trainer.health)
+
+    def _trainable_groups(self) -> list[WorkerGroup]:
+        return [self.actor_rollout_wg] + ([self.critic_wg] if self.use_critic else [])
+
+    def _driver_state(self) -> dict:
+        return {"kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
+
+    def _keep_step_start(self) -> None:
+        """snapshot=memory: copy the state this step starts from to host memory (a candidate that becomes
+        the last healthy state if the step passes)."""
+        if self.config.trainer.health.snapshot != "memory":
+            return
+        for wg in self._trainable_groups():
+            wg.snapshot_state()
+        self._driver_snapshots["candidate"] = self._driver_state()
+
+    def _watch_health(self, metrics: dict[str, float]) -> bool:
+        """Check the step's metrics; on a trigger restore the last healthy state and apply the remedy, or
+        stop with the report. Adds `health/*` to `metrics`; returns whether the step was rolled back."""
+        health = self.health
+        trigger = health.check(self.global_steps, metrics)
+        if trigger is None:
+            health.passed(self.global_steps, metrics)
+            self._step_was_healthy()
+            metrics.update(health.metrics(triggered=False))
+            return False
+        health.failed(trigger, metrics)
+        stop = health.must_stop()
+        restored = self._restore_healthy_state()
+        if restored is None:
+            stop = True
+        else:
+            health.rolled_back()
+        for wg in self._trainable_groups():
+            wg.set_health_factors(health.lr_factor, health.clip_factor if wg is self.actor_rollout_wg else 1.0)
+        report = health.write_report(stopped=stop)
+        metrics.update(health.metrics(triggered=True))
+        if stop:
+            self.tracker.log(metrics, step=self.global_steps)
+            self.tracker.close()
+            why = ("trainer.health.remedy=stop" if self.config.trainer.health.remedy == "stop" else
+                   "no healthy checkpoint to restore" if restored is None else
+                   f"{health.rollbacks_in_a_row} rollbacks in a row (trainer.health.max_rollbacks)")
+            raise UnhealthyRun(f"{trigger.describe()}; stopping ({why}). The report with the metrics around it: "
+                               f"{report}" + ("" if restored is None else f"; the weights were restored to {restored}"))
+        print(f"{trigger.describe()}; restored {restored}, remedy {self.config.trainer.health.remedy} "
+              f"(lr x{health.lr_factor:g}, clip x{health.clip_factor:g}); report: {report}")
+        return True
+
+    def _step_was_healthy(self) -> None:
+        if self.config.trainer.health.snapshot == "memory":
+            for wg in self._trainable_groups():
+                wg.commit_snapshot()
+            self._driver_snapshots["healthy"] = self._driver_snapshots.pop("candidate")
+            self._healthy_kept = True
+        elif self._unconfirmed_checkpoint == self.global_steps - 1:  # the saved state started a healthy step
+            self._healthy_checkpoint = self._unconfirmed_checkpoint
+
+    def _restore_healthy_state(self) -> str | None:
+        """Put the actor (and critic) back to the last healthy state; None when there is none to restore.
+        The data loader is not rewound: the batches since are skipped."""
+        if self.config.trainer.health.snapshot == "memory":
+            slot = "healthy" if self._healthy_kept else "candidate"  # before any healthy step: the run's start
+            for wg in self._trainable_groups():
+                wg.restore_snapshot(slot)
+            driver, where = self._driver_snapshots[slot], "the start of the last healthy step (host memory)"
+        else:
+            if self._healthy_checkpoint is None:
+                return None
+            step_dir = self.checkpoints.step_dir(self._healthy_checkpoint)
+            self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"))
+            if self.use_critic:
+                self.critic_wg.load_checkpoint(str(step_dir / "critic"))
+            driver, where = self.checkpoints.load_driver_state(step_dir), str(step_dir)
+        if self.kl_ctrl_in_reward is not None and driver.get("kl_ctrl") is not None:
+            self.kl_ctrl_in_reward.value = driver["kl_ctrl"]
+        self.engine_version = -1  # split placement: the rollout pool gets the restored weights next
+        return where
+
     # ------------------------------------------------------------------ data order and checkpoints
 
     def _epoch_batches(self):
@@ -695,8 +798,9 @@ class RayPPOTrainer:
             return
         self.checkpoints.check_shared(self.worker_group)
 
-    def _save_checkpoint(self) -> None:
-        """global_step_N/{actor,critic,data}; the `latest` marker is written last, so it names a complete step."""
+    def _save_checkpoint(self, healthy: bool = False) -> None:
+        """global_step_N/{actor,critic,data}; the `latest` marker is written last, so it names a complete step.
+        `healthy`: the state saved is one the health watch already trusts (just restored)."""
         checkpoints = self.checkpoints
         step_dir = checkpoints.step_dir(self.global_steps)
         self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=self.global_steps)
@@ -704,13 +808,19 @@ class RayPPOTrainer:
             self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
         # Batches in flight are not saved: a resumed run draws them again and generates them with its weights
         loader_state = self._pending[0].loader_state if self._pending else self.train_dataloader.state_dict()
-        state = {"dataloader": loader_state, "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
+        state = {"dataloader": loader_state, **self._driver_state()}
+        if self.health is not None:
+            state["health"] = self.health.state_dict()
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()
         if self.rollout_wg is not self.actor_rollout_wg:
             state["rollout_generation"] = self.rollout_wg.generation_state()
         checkpoints.save_driver_state(self.global_steps, state)
         checkpoints.commit(self.global_steps)
+        if healthy:
+            self._healthy_checkpoint = self.global_steps
+        else:
+            self._unconfirmed_checkpoint = self.global_steps
 
     def _load_checkpoint(self) -> None:
         step_dir = self.checkpoints.find()
@@ -730,6 +840,12 @@ class RayPPOTrainer:
             if self.rollout_wg is not self.actor_rollout_wg and generation and len(generation) == self.rollout_wg.world_size:
                 self.rollout_wg.load_generation_state(generation)
             self.policy_version = max(0, self.global_steps - int(self.config.trainer.critic_warmup))
+            self._unconfirmed_checkpoint = self.global_steps
+            if self.health is not None and state.get("health") is not None:  # the remedies so far stay in force
+                self.health.load_state_dict(state["health"])
+                for wg in self._trainable_groups():
+                    wg.set_health_factors(self.health.lr_factor,
+                                          self.health.clip_factor if wg is self.actor_rollout_wg else 1.0)
         self._batches = self._epoch_batches()
 
     # ------------------------------------------------------------------ dumps

@@ -118,6 +118,7 @@ class DataParallelPPOActor(BasePPOActor):
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode) if actor_optimizer else None
         self.ptx_sampler = ptx_sampler  # PPO-ptx batches, used when config.ptx.coef > 0
         self.ema = ema
+        self.nan_logits = False  # fault injection (trainer.health.inject): the update's logits become NaN
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -140,6 +141,8 @@ class DataParallelPPOActor(BasePPOActor):
         # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
         # FSDP has hooked the output tensor, which an in-place op must not replace.
         logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
+        if self.nan_logits:
+            logits = logits * float("nan")
         log_probs = logprobs_from_logits(logits, labels)
         entropy = entropy_from_logits(logits) if calculate_entropy else None  # fp32, block-wise like the log-probs
         if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
