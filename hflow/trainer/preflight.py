@@ -274,6 +274,22 @@ def preflight_check(config: DictConfig) -> None:
         from hflow.tools.reward_audit import check_reward_before_training
 
         check_reward_before_training(config)
+    check_memory(config)
+
+
+def check_memory(config: DictConfig) -> None:
+    """`trainer.memory_plan`: the plan of peak device memory per phase (`hflow.tools.memory_plan`), last, on a
+    configuration every other check has passed: `summary` prints one line, `enforce` refuses a plan that
+    does not fit, naming the phase and the keys that make it fit."""
+    mode = config.trainer.memory_plan
+    check_choice(mode, ("off", "summary", "enforce"), "trainer.memory_plan")
+    if config.trainer.device_memory_gb is not None and not float(config.trainer.device_memory_gb) > 0:
+        raise ConfigError(f"trainer.device_memory_gb must be > 0 (GiB of one device) or null, "
+                          f"got {config.trainer.device_memory_gb}")
+    if mode != "off":
+        from hflow.tools.memory_plan import check_memory_plan
+
+        check_memory_plan(config, mode)
 
 
 def check_sizes(config: DictConfig) -> None:

@@ -1,0 +1,353 @@
+"""Count the device memory of one training or inference pass with torch's memory tracker.
+
+A pass (`PassSpec`: old/reference log-probs, values, an actor or critic update, one vLLM-sized forward)
+runs the hflow code path it describes: the model built from its Hugging Face config, sharded by
+`fsdp_utils.apply_fsdp2` with the pass's mixed precision, gradient checkpointing and gathering, the
+actor's `_forward_micro_batch` (logits of the response positions only, block-wise log-probs and entropy)
+or the critic's value slice, backward per micro-batch and the AdamW step. `FSDPMemTracker`
+(`torch.distributed._tools`) counts every tensor the pass holds on the rank, by category (sharded and
+unsharded parameters, gradients, optimizer state, activations, temporaries, collective buffers).
+
+`trace_fake` runs it on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage, no arithmetic) in
+a fake process group of the pass's world size (`FakeStore`), so one process counts what each of W ranks
+holds, for any model, from its config alone. `count_real_pass` runs the real worker code (the actor's and
+critic's own methods) on real weights in a real process group under the same tracker: the CPU check of
+`bench/memory_plan.py` and of the tests.
+
+Shapes are the worst case the configuration allows: every sequence is prompt_length + response_length
+tokens, all valid (with remove-padding, one packed row of micro_batch x that many tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CATEGORIES", "PassSpec", "count_real_pass", "repeated_forwards", "trace_fake"]
+
+# FSDPMemTracker's categories, shortened for tables
+CATEGORIES = {
+    "Sharded Param": "params (sharded)",
+    "Unsharded Param": "params (gathered)",
+    "Buffer": "buffers",
+    "Sharded Grad": "grads (sharded)",
+    "Unsharded Grad": "grads (gathered)",
+    "Activation": "activations",
+    "Temp": "backward temporaries",
+    "All Gather": "all-gather buffers",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "OptState": "optimizer state",
+    "Inputs": "inputs",
+    "Parameter": "params",
+    "Gradient": "grads",
+    "Other": "other",
+}
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One pass on one rank. `batch` sequences of `seq` tokens, the last `response` scored."""
+
+    model: str  # "causal" | "value"
+    model_config: str  # the model's config.json text (with the run's override_config applied)
+    world: int
+    batch: int
+    seq: int
+    response: int
+    train: bool = False
+    micro_batches: int = 1  # backward passes before the optimizer step (gradient accumulation)
+    model_dtype: str = "float32"  # dtype the (sharded) parameters are stored in
+    param_dtype: str | None = None  # FSDP2 mixed precision: compute dtype; None = model_dtype
+    reduce_dtype: str | None = None
+    gradient_checkpointing: bool = False
+    gather_once: bool = False  # no-grad pass: keep every unit gathered for the whole pass
+    reshard_after_forward: bool = True
+    packed: bool = False  # use_remove_padding: one row of batch x seq valid tokens
+    entropy: bool = False
+    temperature: float = 1.0
+    lora: tuple[int, float, str] | None = None  # (rank, alpha, target_modules)
+    foreach_optimizer: bool = False  # AdamW's multi-tensor path (the default for CUDA tensors)
+    attn_implementation: str = "sdpa"
+    logits_positions: int | None = None  # no-grad full forward keeping this many positions' logits (rollout)
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def _build(spec: PassSpec) -> nn.Module:
+    """The pass's model from its config, unsharded (fake tensors under FakeTensorMode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    import hflow.utils.packing  # noqa: F401 - registers SDPA_VARLEN
+
+    raw = json.loads(spec.model_config)
+    config = AutoConfig.for_model(**raw)
+    if spec.model == "value":
+        config.num_labels, config.classifier_dropout = 1, 0.0
+    auto = AutoModelForTokenClassification if spec.model == "value" else AutoModelForCausalLM
+    kwargs = dict(dtype=_dtype(spec.model_dtype), attn_implementation=spec.attn_implementation)
+    model = auto.from_config(config, **kwargs)
+    if spec.lora is not None:
+        from hflow.workers.lora import add_lora
+
+        rank, alpha, targets = spec.lora
+        model = add_lora(model, rank, alpha, targets)
+    return model
+
+
+def _shard(model: nn.Module, spec: PassSpec, mesh) -> nn.Module:
+    from hflow.utils import fsdp_utils
+
+    if spec.gradient_checkpointing and spec.train:
+        fsdp_utils.enable_gradient_checkpointing(model)
+    mixed = None
+    if spec.param_dtype is not None:
+        mixed = {"param_dtype": spec.param_dtype, "reduce_dtype": spec.reduce_dtype or "float32"}
+    fp32_modules = [model.score] if spec.model == "value" else []
+    fsdp_utils.apply_fsdp2(model, mesh, mixed_precision=mixed or {}, reshard_after_forward=spec.reshard_after_forward,
+                           gather_once_per_pass=spec.gather_once, fp32_modules=fp32_modules)
+    if not spec.train:
+        model.requires_grad_(False)
+    return model
+
+
+def _micro_batch(spec: PassSpec, vocab: int) -> dict[str, Any]:
+    b, t, length = spec.batch, spec.seq, spec.response
+    ids = torch.zeros((b, t), dtype=torch.long)
+    return {"input_ids": ids, "responses": ids[:, t - length:].clone(),
+            "attention_mask": torch.ones((b, t), dtype=torch.long),
+            "position_ids": torch.arange(t).expand(b, t).clone(),
+            "advantages": torch.zeros((b, length)), "vocab": vocab}
+
+
+def _packed(spec: PassSpec, mb: dict[str, Any]):
+    """What `pack_micro_batch` returns for a micro-batch whose every token is valid, built without reading
+    any tensor (fake tensors have no values)."""
+    from hflow.utils.packing import PackedMicroBatch
+
+    b, t, length = spec.batch, spec.seq, spec.response
+    bounds = tuple(i * t for i in range(b + 1))
+    scoring = torch.cat([torch.arange(i * t + t - length - 1, i * t + t - 1) for i in range(b)])
+    return PackedMicroBatch(
+        input_ids=mb["input_ids"].reshape(1, -1), position_ids=mb["position_ids"].reshape(1, -1),
+        scoring_positions=scoring, response_slots=torch.arange(b * length), response_shape=(b, length),
+        sequence_starts=torch.tensor(bounds, dtype=torch.int32), bounds=bounds, longest=t)
+
+
+def _forward(model: nn.Module, spec: PassSpec, mb: dict[str, Any]) -> torch.Tensor:
+    """The pass's forward as the actor / critic run it; returns what the loss is taken of (B, L)."""
+    from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    t, length = spec.seq, spec.response
+    packed = _packed(spec, mb) if spec.packed else None
+    if spec.model == "value":
+        if packed is not None:
+            values = packed.forward(model, use_cache=False).logits
+            return packed.unpack_response(values[0, packed.scoring_positions, 0].float())
+        inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        return model(**inputs, use_cache=False).logits[:, t - length - 1: t - 1, 0].float()
+    if packed is not None:
+        scoring = packed.scoring_positions
+        labels = packed.input_ids[:, scoring + 1]
+        logits = packed.forward(model, use_cache=False, logits_to_keep=scoring).logits
+    else:
+        scoring = torch.arange(t - length - 1, t - 1)
+        labels = mb["responses"]
+        inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        logits = model(**inputs, use_cache=False, logits_to_keep=scoring).logits
+    logits = logits.div_(spec.temperature) if not torch.is_grad_enabled() else logits / spec.temperature
+    out = logprobs_from_logits(logits, labels)
+    if spec.entropy:
+        out = out + entropy_from_logits(logits)
+    if packed is not None:
+        out = packed.unpack_response(out[0])
+    return out
+
+
+def _rollout_forward(model: nn.Module, spec: PassSpec) -> None:
+    """One engine step's forward: `batch` sequences of `seq` tokens packed in one row (the step's
+    max_num_batched_tokens, attention within each sequence as vLLM's kernels do), the logits of
+    `logits_positions` sequences in fp32 (the sampler's)."""
+    from hflow.utils.packing import PackedMicroBatch
+
+    b, t = spec.batch, spec.seq
+    bounds = tuple(i * t for i in range(b + 1))
+    packed = PackedMicroBatch(
+        input_ids=torch.zeros((1, b * t), dtype=torch.long), position_ids=torch.arange(t).repeat(b)[None],
+        scoring_positions=torch.arange(spec.logits_positions), response_slots=torch.arange(spec.logits_positions),
+        response_shape=(1, spec.logits_positions), sequence_starts=torch.tensor(bounds, dtype=torch.int32),
+        bounds=bounds, longest=t)
+    with torch.no_grad():
+        logits = packed.forward(model, use_cache=False, logits_to_keep=packed.scoring_positions).logits
+        torch.softmax(logits.float(), dim=-1)
+
+
+def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tracker_cls, mesh=None) -> dict[str, int]:
+    """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
+    from hflow.utils.fsdp_utils import build_optimizer, no_grad_pass
+
+    vocab = int(model.config.vocab_size)
+    if spec.logits_positions is not None:  # the rollout engine's forward: one unsharded model, no FSDP
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            _rollout_forward(model, spec)
+        return _peak(tracker)
+    optimizer = None
+    if spec.train:
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim_cfg)
+        if spec.foreach_optimizer:
+            for group in optimizer.param_groups:
+                group["foreach"] = True
+        # the steady state: AdamW's moments exist from the first step on, through every later pass
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tracker = tracker_cls(model, optimizer)
+    batches = [_micro_batch(spec, vocab) for _ in range(spec.micro_batches if spec.train else 1)]
+    tracker.track_inputs(tuple(batches))
+    with tracker, repeated_forwards(model, tracker):
+        if spec.train:
+            model.train()
+            for mb in batches:
+                out = _forward(model, spec, mb)
+                (out * mb["advantages"]).sum().backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.eval()
+            with no_grad_pass(model):
+                for mb in batches:
+                    _forward(model, spec, mb)
+    return _peak(tracker)
+
+
+@contextlib.contextmanager
+def repeated_forwards(model: nn.Module, tracker):
+    """Inside `tracker`'s context: let `FSDPMemTracker` follow several forwards of `model` (micro-batches). It
+    keeps one set of per-module statistics, so they are cleared before each forward after the first (the
+    peak so far is kept)."""
+    calls = [0]
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        if calls[0]:
+            tracker.reset_mod_stats()
+        calls[0] += 1
+
+    handle = model.register_forward_pre_hook(before_forward, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _peak(tracker) -> dict[str, int]:
+    [snapshot] = tracker.get_tracker_snapshot("peak").values() or [{}]
+    return {getattr(k, "value", k): int(v) for k, v in snapshot.items() if int(v)}
+
+
+@contextlib.contextmanager
+def _fake_world(world: int):
+    """A fake process group of `world` ranks in this process (this process is rank 0), and its CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the memory plan traces in a fake process group of its own: call it before "
+                           "torch.distributed is initialised, or in another process")
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_fake(spec: PassSpec, optim_cfg: Any = None) -> dict[str, int]:
+    """The peak of `spec` on one of its `world` ranks, by category, counted on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
+    if spec.logits_positions is not None:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _run(_build(spec), spec, optim_cfg, None)
+    with _fake_world(spec.world) as mesh, FakeTensorMode(allow_non_fake_inputs=True):  # the mesh is real
+        model = _shard(_build(spec), spec, mesh)
+        return _run(model, spec, optim_cfg, FSDPMemTracker, mesh)
+
+
+def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
+    """The pass of a plan's `phase` run for real on this rank, counted by the same tracker: the model's weights
+    read by hflow's loader from `config`'s model path, sharded over `mesh` (a real process group of
+    `spec.world` ranks), and hflow's `DataParallelPPOActor` / `DataParallelPPOCritic` doing `compute_log_prob`,
+    `compute_values`, `update_policy` or `update_critic` on `spec`'s shapes. Rows are left-padded by one token
+    as real prompts are (without remove-padding, that makes transformers build its attention mask, as in a
+    real run). An update is counted on its second step, when AdamW's moments exist."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from hflow.protocol import DataProto
+    from hflow.utils import fsdp_utils
+    from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic
+
+    world = mesh.size()
+    arr = config.actor_rollout_ref
+    loader = fsdp_utils.load_value_model if spec.model == "value" else fsdp_utils.load_causal_lm
+    model = loader(str(arr.model.path), dtype=spec.model_dtype, attn_implementation=spec.attn_implementation)
+    _shard(model, spec, mesh)
+    b, t, length = spec.batch, spec.seq, spec.response
+    rows = b * spec.micro_batches
+    generator = torch.Generator().manual_seed(mesh.get_rank())
+    ids = torch.randint(5, int(model.config.vocab_size), (rows, t), generator=generator)
+    mask = torch.ones((rows, t), dtype=torch.long)
+    mask[:, 0] = 0
+    batch = {"input_ids": ids, "responses": ids[:, t - length:].clone(), "attention_mask": mask,
+             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+             "advantages": torch.randn((rows, length), generator=generator),
+             "old_log_probs": torch.zeros((rows, length)), "ref_log_prob": torch.zeros((rows, length)),
+             "values": torch.zeros((rows, length)), "returns": torch.randn((rows, length), generator=generator)}
+    meta = {"temperature": float(arr.rollout.temperature), "micro_batch_size": b, "use_dynamic_bsz": False}
+    data = DataProto.from_dict(batch, meta_info=meta)
+    optimizer = None
+    if spec.model == "value":
+        from hflow.workers.critic import DataParallelPPOCritic
+
+        cfg = normalize_critic(config.critic, world)
+        cfg.ppo_mini_batch_size_per_rank, cfg.ppo_epochs, cfg.shuffle = rows, 1, False
+        if spec.train:
+            optimizer = fsdp_utils.build_optimizer(model.parameters(), cfg.optim)
+        critic = DataParallelPPOCritic(cfg, model, optimizer)
+        run = (lambda: critic.update_critic(data)) if spec.train else (lambda: critic.compute_values(data))
+    else:
+        from hflow.workers.actor import DataParallelPPOActor
+
+        norm = normalize_actor_rollout_ref(arr, "actor_rollout_ref", world)
+        section = norm.ref if phase == "ref log-prob" else norm.actor
+        if spec.train:
+            section.ppo_mini_batch_size_per_rank, section.ppo_epochs, section.shuffle = rows, 1, False
+            optimizer = fsdp_utils.build_optimizer([p for p in model.parameters() if p.requires_grad],
+                                                   norm.actor.optim)
+        actor = DataParallelPPOActor(section, model, optimizer)
+        run = ((lambda: actor.update_policy(data)) if spec.train
+               else (lambda: actor.compute_log_prob(data, calculate_entropy=spec.entropy)))
+    if spec.train:
+        run()  # creates AdamW's moments
+    tracker = FSDPMemTracker(model, optimizer)
+    with tracker, repeated_forwards(model, tracker):
+        run()
+    return _peak(tracker)
