@@ -11,7 +11,9 @@ Layout of a checkpoint folder:
 
     model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
     extra_rank_<r>.pt       LR scheduler state, RNG states and other stateful objects of rank r
-    huggingface/            (contents include "hf_model") config, tokenizer, safetensors
+    huggingface/            config, generation config, tokenizer (the actor writes them after every save, for
+                            hflow.tools.convert_checkpoint); + safetensors when contents include "hf_model"
+    lora/adapter_config.json  (LoRA actors) the adapters' rank, alpha and targets
     <name>/                 (contents include "hf_model") each extra export, e.g. the actor's EMA
                             weights as `ema_huggingface/`
 
