@@ -13,8 +13,8 @@ writer: written beside OUT_DIR and renamed into place when complete); a tied `lm
 Hugging Face loaders re-tie it. `--verify` then loads OUT_DIR with `transformers` and compares its logits
 with the checkpoint's own model (base weights plus unmerged adapters, as in training) built on CPU.
 
-What the conversion reads beside the shards (the actor's `save_checkpoint` writes it, see
-`save_model_info`):
+What the conversion reads beside the shards (every checkpoint holds it, see
+`hflow.utils.checkpoint.save_model_info`):
 
     huggingface/                   config, generation config, tokenizer (weights only with hf_model)
     lora/adapter_config.json       PEFT's adapter config of a LoRA actor (r, lora_alpha, target_modules)
@@ -37,12 +37,11 @@ from typing import Iterator
 
 import torch
 
+from hflow.utils.checkpoint import HF_DIR, LORA_DIR
 from hflow.utils.errors import UserError
 
-__all__ = ["CheckpointError", "convert_checkpoint", "main", "save_model_info", "verify_conversion"]
+__all__ = ["CheckpointError", "convert_checkpoint", "main", "verify_conversion"]
 
-HF_DIR = "huggingface"
-LORA_DIR = "lora"
 _SHARDS = "model_optim"
 _MODEL, _EMA = "model", "ema"
 _ROLE_DIRS = ("actor", "model")  # a PPO step's actor; an SFT / reward-model step's only model
@@ -63,37 +62,6 @@ _PROMPTS = (
 
 class CheckpointError(UserError, ValueError):
     """A folder that cannot be converted; the message names it and says what to pass instead."""
-
-
-# ---- what the actor writes beside its shards -------------------------------------------------------------
-
-
-def save_model_info(checkpoint: str | Path, config, generation_config=None, tokenizer=None, peft_config=None) -> None:
-    """Write what an offline conversion needs beside a checkpoint's shards (rank 0, after the save):
-    `huggingface/` with config, generation config and tokenizer (unless an hf_model export already put
-    them there), and a LoRA model's adapter config in `lora/`. Each folder is written beside its final
-    name and renamed into place, so a reader never sees half of it."""
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / HF_DIR / "config.json").exists():
-        def write_hf(tmp: Path) -> None:
-            config.save_pretrained(tmp)
-            if generation_config is not None:
-                generation_config.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        _write_folder(checkpoint / HF_DIR, write_hf)
-    adapter = (peft_config or {}).get("default")
-    if adapter is not None:
-        _write_folder(checkpoint / LORA_DIR, adapter.save_pretrained)
-
-
-def _write_folder(final: Path, write) -> None:
-    tmp = final.with_name(final.name + ".incomplete")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
 
 
 # ---- finding the checkpoint ------------------------------------------------------------------------------

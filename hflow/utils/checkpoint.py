@@ -11,7 +11,7 @@ Layout of a checkpoint folder:
 
     model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
     extra_rank_<r>.pt       LR scheduler state, RNG states and other stateful objects of rank r
-    huggingface/            config, generation config, tokenizer (the actor writes them after every save, for
+    huggingface/            config, generation config, tokenizer (written with every checkpoint, for
                             hflow.tools.convert_checkpoint); + safetensors when contents include "hf_model"
     lora/adapter_config.json  (LoRA actors) the adapters' rank, alpha and targets
     <name>/                 (contents include "hf_model") each extra export, e.g. the actor's EMA
@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from hflow.utils import device
 
+HF_DIR = "huggingface"  # config, tokenizer (+ weights with hf_model) of a checkpoint
+LORA_DIR = "lora"  # a LoRA model's adapter config
 _TMP_SUFFIX = ".incomplete"
 _OLD_SUFFIX = ".replaced"
 _SHARD_BYTES = 4 * 2**30  # safetensors files of at most ~4 GiB, as Hugging Face does
@@ -161,9 +163,11 @@ class FSDPCheckpointManager:
             extra["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
             torch.save(extra, tmp / f"extra_rank_{_rank()}.pt")
         if "hf_model" in self.contents:
-            save_hf_model(self.model, tmp / "huggingface", tokenizer=self.tokenizer)
+            save_hf_model(self.model, tmp / HF_DIR, tokenizer=self.tokenizer)
             for folder, export in self.hf_exports.items():
                 export(tmp / folder)
+        if _rank() == 0 and "model" in self.contents:
+            save_model_info(tmp, self.model, self.tokenizer)
         _barrier()
         if _rank() == 0:
             commit_folder(tmp, final)
@@ -209,6 +213,22 @@ class FSDPCheckpointManager:
             if name in extra.get("stateful", {}):
                 obj.load_state_dict(extra["stateful"][name])
         return extra
+
+
+def save_model_info(folder: Path, model: torch.nn.Module, tokenizer=None) -> None:
+    """What reading a checkpoint offline needs beside its shards (`hflow.tools.convert_checkpoint`): the
+    model's config, generation config and tokenizer in `huggingface/` (unless an hf_model export put them
+    there), and a LoRA model's adapter config (rank, alpha, targets) in `lora/`."""
+    hf_dir = folder / HF_DIR
+    if not (hf_dir / "config.json").exists():
+        model.config.save_pretrained(hf_dir)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(hf_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(hf_dir)
+    adapter = (getattr(model, "peft_config", None) or {}).get("default")
+    if adapter is not None:
+        adapter.save_pretrained(folder / LORA_DIR)
 
 
 def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,

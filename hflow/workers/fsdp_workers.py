@@ -429,13 +429,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self._require(self._is_actor, "save_checkpoint", "actor")
         self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
-        if self.rank == 0:
-            # config, tokenizer (huggingface/) and the LoRA adapter config (lora/) beside the shards: what
-            # `python -m hflow.tools.convert_checkpoint` needs to turn them into a Hugging Face folder offline
-            from hflow.tools.convert_checkpoint import save_model_info
-
-            save_model_info(local_path, self.hf_config, self.generation_config, self.tokenizer,
-                            getattr(self.actor_module, "peft_config", None))
         self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
