@@ -69,6 +69,9 @@ ASSUMED = {
 _CACHE_VERSION = "1"
 # `vllm_rollout.CPU_DEFAULT_KV_CACHE_BYTES` (importing that module imports vLLM: seconds); a test checks they agree
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+# `packing.SDPA_VARLEN` and `fsdp_utils.GATHER_ONCE_MAX_FRACTION` (both modules import transformers)
+CPU_ATTENTION = "hflow_sdpa_varlen"
+GATHER_ONCE_MAX_FRACTION = 0.25
 _TRACES: dict[str, dict[str, int]] = {}  # this process's traces, by key
 
 
@@ -176,8 +179,8 @@ def _model_config_text(model_cfg: DictConfig) -> str:
 
 def _numel(model_config: str, kind: str = "causal") -> tuple[int, int, dict[str, int]]:
     """(parameters, largest parameter's elements, model shape facts) of the model built on the meta device."""
-    key = f"numel:{kind}:{model_config}"
-    if key not in _TRACES:
+
+    def compute() -> dict[str, int]:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -190,22 +193,20 @@ def _numel(model_config: str, kind: str = "causal") -> tuple[int, int, dict[str,
         sizes = {name: p.numel() for name, p in model.named_parameters()}
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(text.num_attention_heads)
-        _TRACES[key] = {
-            "numel": sum(sizes.values()), "largest": max(sizes.values()),
-            "layers": int(text.num_hidden_layers),
-            "kv_heads": int(getattr(text, "num_key_value_heads", None) or heads),
-            "head_dim": int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-        }
-    facts = _TRACES[key]
+        return {"numel": sum(sizes.values()), "largest": max(sizes.values()), "layers": int(text.num_hidden_layers),
+                "kv_heads": int(getattr(text, "num_key_value_heads", None) or heads),
+                "head_dim": int(getattr(text, "head_dim", None) or text.hidden_size // heads)}
+
+    facts = _cached(f"numel:{kind}:{model_config}", compute)
     return facts["numel"], facts["largest"], facts
 
 
 def _gather_once(setting, numel: int, param_bytes: int, target: str, device_bytes: float) -> bool:
-    from hflow.utils.fsdp_utils import gather_once_fits
-
+    """`gather_once_per_pass`; null as `fsdp_utils.gather_once_fits` decides it (repeated here: importing
+    fsdp_utils imports transformers; a test checks they agree)."""
     if setting is not None:
         return bool(setting)
-    return gather_once_fits(numel, param_bytes, int(device_bytes), target == "cuda")
+    return target != "cuda" or numel * param_bytes <= GATHER_ONCE_MAX_FRACTION * device_bytes
 
 
 def default_device_bytes(config: DictConfig, target: str) -> float:
@@ -227,16 +228,14 @@ def default_device_bytes(config: DictConfig, target: str) -> float:
 # ------------------------------------------------------------------------------------------- tracing
 
 
-def _trace(spec) -> dict[str, int]:
-    """`memory_trace.trace_fake(spec)`, cached in this process and on disk (keyed by the spec, the tracing
-    code and the torch/transformers versions)."""
-    import torch
-    import transformers
+def _cached(key_text: str, compute) -> dict:
+    """`compute()` (a JSON-able dict), cached in this process and on disk under a key made of `key_text`, the
+    tracing code (`hflow/utils/memory_trace.py`) and the torch/transformers versions. A hit imports neither
+    torch's tracer nor transformers."""
+    from importlib.metadata import version
 
-    from hflow.utils import memory_trace
-
-    source = Path(memory_trace.__file__).read_bytes()
-    key = hashlib.sha256("\n".join([_CACHE_VERSION, spec.key(), torch.__version__, transformers.__version__,
+    source = (Path(__file__).resolve().parents[1] / "utils" / "memory_trace.py").read_bytes()
+    key = hashlib.sha256("\n".join([_CACHE_VERSION, key_text, version("torch"), version("transformers"),
                                     hashlib.sha256(source).hexdigest()]).encode()).hexdigest()[:32]
     if key in _TRACES:
         return _TRACES[key]
@@ -248,7 +247,7 @@ def _trace(spec) -> dict[str, int]:
         return _TRACES[key]
     except (OSError, ValueError):
         pass
-    result = memory_trace.trace_fake(spec)
+    result = compute()
     _TRACES[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +257,17 @@ def _trace(spec) -> dict[str, int]:
     except OSError:
         pass
     return result
+
+
+def _trace(spec) -> dict[str, int]:
+    """`memory_trace.trace_fake(spec)`, cached (`_cached`)."""
+
+    def compute() -> dict[str, int]:
+        from hflow.utils.memory_trace import trace_fake
+
+        return trace_fake(spec)
+
+    return _cached(spec.key(), compute)
 
 
 def _traced_components(peak: dict[str, int], role: str) -> dict[str, float]:
@@ -357,7 +367,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
                         gradient_checkpointing=r.gradient_checkpointing, gather_once=r.gather_once,
                         reshard_after_forward=r.reshard_after_forward, packed=r.packed, entropy=entropy,
                         lora=r.lora, foreach_optimizer=cuda,
-                        attn_implementation="sdpa" if cuda else _cpu_attention())
+                        attn_implementation="sdpa" if cuda else CPU_ATTENTION)
 
     # --- what stays on a training rank while another phase runs
     overhead: dict[str, float] = {}
@@ -385,7 +395,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         engine_act = _trace(PassSpec(model="causal", model_config=model_text, world=1, batch=rows, seq=max_len,
                                      response=0, model_dtype=rollout_dtype,
                                      logits_positions=min(int(rollout.max_num_seqs), rows * max_len),
-                                     attn_implementation=_cpu_attention())).get("Activation", 0)
+                                     attn_implementation=CPU_ATTENTION)).get("Activation", 0)
     gmu = float(rollout.gpu_memory_utilization if rollout.gpu_memory_utilization is not None
                 else GPU_MEMORY_UTILIZATION["own_device" if split else "colocated"])
     kv_bytes_setting = rollout.kv_cache_memory_bytes
@@ -511,15 +521,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     return Plan(phases, device_bytes, target, world, facts)
 
 
-def _cpu_attention() -> str:
-    from hflow.utils.packing import SDPA_VARLEN
-
-    return SDPA_VARLEN
-
-
 def _lora_numel(model_text: str, lora: tuple) -> int:
-    key = f"lora:{lora}:{model_text}"
-    if key not in _TRACES:
+    def compute() -> dict[str, int]:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -528,8 +531,9 @@ def _lora_numel(model_text: str, lora: tuple) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(model_text)))
         model = add_lora(model, *lora)
-        _TRACES[key] = {"numel": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    return _TRACES[key]["numel"]
+        return {"numel": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+    return _cached(f"lora:{list(lora)}:{model_text}", compute)["numel"]
 
 
 # ------------------------------------------------------------------------------------------- remedies

@@ -52,11 +52,17 @@ def test_the_plan_of_the_builtin_run_has_every_phase_and_fits():
     assert "| actor update |" in text and "— fits" in text and "assumed" in text
 
 
-def test_the_cpu_kv_default_is_the_rollouts():
-    # memory_plan repeats the constant so as not to import vLLM; the two must agree
+def test_the_constants_memory_plan_repeats_are_the_modules_own():
+    # memory_plan repeats them so that a cached plan imports neither vLLM nor transformers
+    from hflow.utils import fsdp_utils, packing
+
     source = (Path(mp.__file__).parents[1] / "workers" / "rollout" / "vllm_rollout.py").read_text()
     [expr] = re.findall(r"^CPU_DEFAULT_KV_CACHE_BYTES = (.+)$", source, flags=re.M)
     assert eval(compile(ast.parse(expr, mode="eval"), "", "eval")) == mp.CPU_DEFAULT_KV_CACHE_BYTES
+    assert mp.CPU_ATTENTION == packing.SDPA_VARLEN
+    for numel, size, device in ((7_000_000_000, 2, 80 * GIB), (14_000_000_000, 2, 80 * GIB), (10**6, 4, 10**6)):
+        assert mp._gather_once(None, numel, size, "cuda", device) == fsdp_utils.gather_once_fits(numel, size, device, True)
+    assert mp._gather_once(None, 10**12, 4, "cpu", 1) and not mp._gather_once(False, 1, 4, "cpu", 1)
 
 
 def test_sharded_state_is_divided_by_the_world_size():
