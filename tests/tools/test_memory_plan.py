@@ -66,11 +66,12 @@ def test_the_constants_memory_plan_repeats_are_the_modules_own():
 
 
 def test_sharded_state_is_divided_by_the_world_size():
-    one = phase(mp.plan_memory(builtin_config(), "cpu", 8 * GIB), "actor update").components
-    two = phase(mp.plan_memory(builtin_config("trainer.backend=ray", "trainer.n_gpus_per_node=2"), "cpu", 8 * GIB),
-                "actor update").components
-    for key in ("actor params (sharded)", "actor optimizer state"):
-        assert two[key] == pytest.approx(one[key] / 2, rel=0.02), key
+    one = mp.plan_memory(builtin_config(), "cpu", 8 * GIB)
+    two = mp.plan_memory(builtin_config("trainer.backend=ray", "trainer.n_gpus_per_node=2"), "cpu", 8 * GIB)
+    for name, key in (("actor update", "actor params (sharded)"), ("actor update", "actor optimizer state"),
+                      ("old log-prob", "actor optimizer state (AdamW, sharded)"),  # resident: a formula
+                      ("old log-prob", "ref params (sharded)")):
+        assert phase(two, name).components[key] == pytest.approx(phase(one, name).components[key] / 2, rel=0.02), key
 
 
 def test_optimizer_state_is_two_fp32_moments_per_parameter():
@@ -171,6 +172,7 @@ def test_the_plan_matches_the_real_run_counted_on_cpu(tmp_path):
             traced = phase(plan, name)
             counted = count_real_pass(name, traced.spec, OmegaConf.create(OmegaConf.to_container(config, resolve=True)),
                                       mesh)["Total"]
-            assert traced.traced == pytest.approx(counted, rel=0.10), (name, traced.traced, counted)
+            # the bench finds 0.999-1.001 (bench/results/memory_plan.md); 10 % is the bound, 2 % what holds
+            assert traced.traced == pytest.approx(counted, rel=0.02), (name, traced.traced, counted)
     finally:
         dist.destroy_process_group()
