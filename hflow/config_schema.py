@@ -396,7 +396,8 @@ class AlgorithmConfig:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_rollout_log_probs: bool = False
-    reuse_update_log_probs: bool = False
+    reuse_update_log_probs: Optional[bool] = None  # None = wherever it is exact (reuses_update_log_probs)
+    rollout_check_freq: int = 10  # with reused log-probs: the separate pass (and its checks) every N steps
     rollout_is: Optional[str] = None  # token | sequence: truncated IS weights pi_old / pi_rollout on the pg loss
     rollout_is_threshold: float = 2.0  # C, the truncation of those weights
     use_kl_in_reward: bool = False
@@ -729,6 +730,21 @@ def check_micro_batch(per_rank_mini: int, micro: Any, prefix: str, key: str, use
 
 
 PLACEMENTS = ("colocate", "split")
+
+
+def reuses_update_log_probs(config: Any) -> bool:
+    """Whether the actor update takes its own detached log-probs as the old ones (no separate pass).
+
+    `algorithm.reuse_update_log_probs` true / false decides; null (the default) reuses them wherever that
+    is exact: one on-policy update per step (ppo_epochs 1, one mini-batch) whose old log-probs nothing
+    needs before the update (no KL in the reward, no rollout correction, no sampler log-probs in their
+    place) and whose sampler is the current policy (trainer.async_steps 0)."""
+    algo, actor = config.algorithm, config.actor_rollout_ref.actor
+    if algo.reuse_update_log_probs is not None:
+        return bool(algo.reuse_update_log_probs)
+    return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
+            and not algo.use_kl_in_reward and algo.get("rollout_is") is None and not algo.use_rollout_log_probs
+            and int(config.trainer.async_steps) == 0)
 
 
 def placement_pools(nnodes: int, n_gpus_per_node: int, placement: str, rollout_n_gpus: int) -> tuple[list[int], list[int]]:

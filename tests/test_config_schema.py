@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import SCHEMAS, ConfigError, default_config, validate_config
+from hflow.config_schema import SCHEMAS, ConfigError, default_config, reuses_update_log_probs, validate_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -93,3 +93,20 @@ def test_interpolations_follow_the_keys_they_name():
     assert config.critic.rollout_n == 4
     assert config.actor_rollout_ref.rollout.prompt_length == 100
     assert config.critic.optim.lr == 1.0e-5  # the critic's own default, not the actor's
+
+
+@pytest.mark.parametrize("overrides,reused", [
+    ([], True),  # one epoch, one mini-batch: the update's own log-probs are the old ones, exactly
+    (["actor_rollout_ref.actor.ppo_epochs=2"], False),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], False),  # two optimizer steps: the second is off-policy
+    (["algorithm.use_kl_in_reward=true"], False),  # the reward needs them before the update
+    (["algorithm.rollout_is=token"], False),
+    (["algorithm.use_rollout_log_probs=true"], False),
+    (["trainer.placement=split", "trainer.async_steps=1"], False),
+    (["actor_rollout_ref.actor.ppo_epochs=2", "algorithm.reuse_update_log_probs=true"], True),  # told: preflight judges
+    (["algorithm.reuse_update_log_probs=false"], False),
+])
+def test_old_log_probs_are_reused_by_default_exactly_where_the_update_is_on_policy(overrides, reused):
+    config = validate_config(composed("data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                                      *overrides))
+    assert reuses_update_log_probs(config) is reused

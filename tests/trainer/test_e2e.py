@@ -45,7 +45,7 @@ def assets(tmp_path_factory):
 
 
 def overrides(assets: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
+    base = [
         f"actor_rollout_ref.model.path={assets / 'model'}",
         f"data.train_files={assets / 'train.parquet'}",
         f"data.val_files={assets / 'val.parquet'}",
@@ -63,8 +63,11 @@ def overrides(assets: Path, run_dir: Path, *extra: str) -> list[str]:
         f"trainer.log_dir={run_dir / 'logs'}",
         f"trainer.default_local_dir={run_dir / 'ckpt'}",
         "trainer.val_before_train=false",
-        *extra,
+        # the separate old-log-prob pass every step, whose checks these tests read (on-policy runs skip it by default)
+        "algorithm.reuse_update_log_probs=false",
     ]
+    given = {o.split("=", 1)[0] for o in extra}  # a key given here replaces the default above
+    return [o for o in base if o.split("=", 1)[0] not in given] + list(extra)
 
 
 # The GRPO settings every GRPO run here shares, so that their first steps sample the same responses.
@@ -176,12 +179,20 @@ def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, asset
 
 
 def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_path, uninterrupted):
-    metrics = run(assets, tmp_path, *GRPO, "trainer.total_training_steps=1", "algorithm.reuse_update_log_probs=true")
-    step = metrics[0]
-    assert "timing_s/old_log_prob" not in step  # no forward pass of its own
-    assert "training/rollout_probs_diff_max" not in step  # the parity check needs the separate pass
-    # the loss, its gradient and the KL term are those of the run with a separate old-log-prob pass
-    _same_first_step(step, _training_steps(uninterrupted[1])[0], rel=1e-5)
+    # null = reuse wherever exact: this on-policy run (one epoch, one mini-batch) does; the separate pass
+    # runs at step 1 and every rollout_check_freq steps for its checks
+    metrics = run(assets, tmp_path, *GRPO, "trainer.total_training_steps=3", "algorithm.reuse_update_log_probs=null",
+                  "algorithm.rollout_check_freq=2", "trainer.test_freq=-1")
+    steps = _training_steps(metrics)
+    assert ["timing_s/old_log_prob" in s for s in steps] == [True, False, True]  # steps 1 and 3 check
+    assert ["training/rollout_probs_diff_max" in s for s in steps] == [True, False, True]
+    assert all(math.isfinite(s["actor/entropy"]) and s["actor/entropy"] > 0 for s in steps)  # the update reports it
+    # step 2's loss, its gradient and the KL term are those of a run with a separate old-log-prob pass
+    assert abs(steps[1]["actor/ppo_kl"]) < 1e-6 and steps[1]["actor/pg_clipfrac"] == 0
+    # (the uninterrupted run samples the same two steps: it validates only after step 2)
+    separate = _training_steps(uninterrupted[1])
+    _same_first_step(steps[0], separate[0], rel=1e-5)
+    _same_first_step(steps[1], separate[1], rel=1e-5)
 
 
 def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
-from hflow.config_schema import placement_pools
+from hflow.config_schema import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo import dapo, reward_shaping
 from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
                                       zero_advantage_group_frac)
@@ -178,6 +178,7 @@ class RayPPOTrainer:
         self.use_critic = algo.adv_estimator == core_algos.AdvantageEstimator.GAE
         self.use_reference_policy = bool(algo.use_kl_in_reward or actor.use_kl_loss)
         self.use_rm = bool(config.reward_model.enable)
+        self.reuse_update_log_probs = reuses_update_log_probs(config)
         self.kl_ctrl_in_reward = core_algos.get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         # algorithm.stop_token (checked by preflight to be one token of this tokenizer) and reward_model.normalize
         self.stop_token_id = (None if algo.stop_token is None
@@ -432,7 +433,7 @@ class RayPPOTrainer:
         #    trainer.async_steps=1 that is the actor now, one update newer than the sampler)
         if algo.use_rollout_log_probs:  # the sampler already computed them
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-        elif algo.reuse_update_log_probs:
+        elif self.reuse_update_log_probs and not self._rollout_check_step():
             pass  # on-policy update: its forward pass runs the sampling weights and detaches them
         else:
             with timer("old_log_prob", timing):
@@ -492,6 +493,12 @@ class RayPPOTrainer:
             self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir) / f"{self.global_steps}.jsonl")
         rollout.batch = batch  # with every column the step added, for the step's summary metrics
         return metrics
+
+    def _rollout_check_step(self) -> bool:
+        """With reused log-probs, whether this step still runs the separate pass: step 1 and every
+        `algorithm.rollout_check_freq` steps after, so that the sampler-vs-trainer check keeps running."""
+        freq = int(self.config.algorithm.rollout_check_freq)
+        return freq > 0 and (self.global_steps - 1) % freq == 0
 
     def _scored_batch(self, rollout: PendingRollout, metrics: dict[str, float],
                       timing: dict[str, float]) -> tuple[DataProto, dict]:

@@ -123,9 +123,10 @@ class DataParallelPPOActor(BasePPOActor):
     # ---- forward ----------------------------------------------------------------------------------
 
     def _forward_micro_batch(
-        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`."""
+        """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`
+        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it)."""
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
@@ -144,7 +145,10 @@ class DataParallelPPOActor(BasePPOActor):
         if self.nan_logits:
             logits = logits * float("nan")
         log_probs = logprobs_from_logits(logits, labels)
-        entropy = entropy_from_logits(logits) if calculate_entropy else None  # fp32, block-wise like the log-probs
+        entropy = None
+        if calculate_entropy:  # fp32, block-wise like the log-probs
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
         if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
             log_probs = packed.unpack_response(log_probs[0])
             entropy = packed.unpack_response(entropy[0]) if entropy is not None else None
@@ -210,10 +214,13 @@ class DataParallelPPOActor(BasePPOActor):
         cfg = self.config
         info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
         step = StepMetrics(info)
+        # Without old log-probs no separate pass measured the policy's entropy: this forward reports it.
+        report_entropy = "old_log_probs" not in mini_batch.keys()
         for micro_batch in ppo_micro_batches(mini_batch, cfg):
             mask = response_mask_of(micro_batch)
             log_prob, entropy = self._forward_micro_batch(
-                micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0
+                micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
+                entropy_grad=cfg.entropy_coeff != 0,
             )
             # Passed only when present, so that custom losses without the keyword keep working.
             is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
@@ -234,7 +241,8 @@ class DataParallelPPOActor(BasePPOActor):
                 step.add_token_mean(f"actor/{name}", value, mask)
             if entropy is not None:
                 entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, info)
-                loss = loss - cfg.entropy_coeff * entropy_loss
+                if cfg.entropy_coeff != 0:
+                    loss = loss - cfg.entropy_coeff * entropy_loss
                 step.add_loss("actor/entropy", entropy_loss)
             if cfg.use_kl_loss:
                 kl = kl_penalty(log_prob, micro_batch["ref_log_prob"], cfg.kl_loss_type)
