@@ -211,14 +211,18 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tracker_cls, mesh=Non
         if spec.foreach_optimizer:
             for group in optimizer.param_groups:
                 group["foreach"] = True
-        # the steady state: AdamW's moments exist from the first step on, through every later pass
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = torch.zeros_like(p)
+    batches = [_micro_batch(spec, vocab) for _ in range(spec.micro_batches if spec.train else 1)]
+    if spec.train:
+        # The steady state, as the CPU check counts it: one untraced step first. AdamW's moments exist from
+        # then on. And the gradient clip's first call on these DTensors runs DTensor's sharding propagation,
+        # which under fake tensors builds global-shaped gradients (W x the shards, all layers at once) that
+        # the tracker would count; the propagation is cached, so the traced step does not.
+        model.train()
+        (_forward(model, spec, batches[0]) * batches[0]["advantages"]).sum().backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     tracker = tracker_cls(model, optimizer)
-    batches = [_micro_batch(spec, vocab) for _ in range(spec.micro_batches if spec.train else 1)]
     tracker.track_inputs(tuple(batches))
     with tracker, repeated_forwards(model, tracker):
         if spec.train:
