@@ -472,7 +472,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     # 3. log-prob, value and update passes
     dyn = bool(actor.use_dynamic_bsz)
     forwards = []  # (phase, label, role, owner whose optimizer stays, micro count, token budget, dynamic, entropy)
-    if not (algo.use_rollout_log_probs or algo.reuse_update_log_probs):
+    # reuse_update_log_probs still runs the pass at step 1 and every algorithm.rollout_check_freq steps
+    if not algo.use_rollout_log_probs:
         forwards.append(("old log-prob", "actor", actor_role, "actor", rollout.log_prob_micro_batch_size_per_gpu,
                          rollout.log_prob_max_token_len_per_gpu, rollout.log_prob_use_dynamic_bsz, True))
     if uses_ref:
