@@ -377,6 +377,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     else:
         overhead["worker process (assumed)"] = ASSUMED["cpu_process"]
     resident: dict[str, dict[str, float]] = {"actor": {f"actor {k}": v for k, v in sharded(actor_role).items()}}
+    if actor.ema.enable and not actor_role.params_offloaded:  # ParamEMA: an fp32 copy of the actor's shards
+        resident["actor"]["actor EMA (fp32, sharded)"] = trainable(actor_role) * 4 / world
     if uses_ref and not ref_in_actor:
         resident["ref"] = {f"ref {k}": v for k, v in sharded(ref_role, frozen=True).items()}
     if critic_role is not None:
@@ -427,9 +429,9 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     def others(*skip: str, optimizer_of: str | None = None) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, comps in resident.items():
-            if name in skip:
-                if name == optimizer_of:  # the pass's own model: its optimizer state is not in a no-grad trace
-                    out.update({k: v for k, v in comps.items() if "optimizer" in k})
+            if name in skip:  # the pass's own model: the trace has its state, except what the pass never touches
+                out.update({k: v for k, v in comps.items()
+                            if "EMA" in k or (name == optimizer_of and "optimizer" in k)})
                 continue
             out.update(comps)
         return out

@@ -83,6 +83,13 @@ def test_optimizer_state_is_two_fp32_moments_per_parameter():
         2 * 4 * numel, rel=0.01)
 
 
+def test_the_actors_ema_is_an_fp32_copy_of_its_shards_in_every_phase():
+    plan = mp.plan_memory(builtin_config("actor_rollout_ref.actor.ema.enable=true"), "cpu", 8 * GIB)
+    for name in ("old log-prob", "actor update", "rollout"):
+        assert phase(plan, name).components["actor EMA (fp32, sharded)"] == pytest.approx(
+            4 * plan.facts["parameters"]), name
+
+
 def test_gradient_checkpointing_lowers_the_update_activations():
     longer = ["data.max_prompt_length=128", "data.max_response_length=128"]
     off = phase(mp.plan_memory(builtin_config(*longer), "cpu", 8 * GIB), "actor update")
