@@ -152,7 +152,7 @@ def _count_worker(rank: int, world: int, jobs: list[dict], port: int, out_file: 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    from hflow.utils.memory_trace import PassSpec, count_real_pass
+    from hflow.tools.memory_trace import PassSpec, count_real_pass
 
     results = []
     for job in jobs:

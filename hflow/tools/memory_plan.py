@@ -10,7 +10,7 @@ and the keys that would make it fit, cheapest first, each with the plan's figure
 How it counts. What torch allocates is counted by running the pass itself -- the model built from its
 config on fake tensors, sharded by FSDP2 over a fake process group of the run's world size, the actor's
 log-prob / entropy code, backward, the AdamW step -- under torch's `FSDPMemTracker`
-(`hflow.utils.memory_trace`). What runs outside torch's view is written down as formulas:
+(`hflow.tools.memory_trace`). What runs outside torch's view is written down as formulas:
 
 - vLLM's engine: its weights (1/TP of the model in the rollout dtype) and one engine step's activations
   (the model's forward on max_num_batched_tokens tokens, traced the same way) inside the
@@ -230,11 +230,11 @@ def default_device_bytes(config: DictConfig, target: str) -> float:
 
 def _cached(key_text: str, compute) -> dict:
     """`compute()` (a JSON-able dict), cached in this process and on disk under a key made of `key_text`, the
-    tracing code (`hflow/utils/memory_trace.py`) and the torch/transformers versions. A hit imports neither
+    tracing code (`hflow/tools/memory_trace.py`) and the torch/transformers versions. A hit imports neither
     torch's tracer nor transformers."""
     from importlib.metadata import version
 
-    source = (Path(__file__).resolve().parents[1] / "utils" / "memory_trace.py").read_bytes()
+    source = (Path(__file__).with_name("memory_trace.py")).read_bytes()
     key = hashlib.sha256("\n".join([_CACHE_VERSION, key_text, version("torch"), version("transformers"),
                                     hashlib.sha256(source).hexdigest()]).encode()).hexdigest()[:32]
     if key in _TRACES:
@@ -263,7 +263,7 @@ def _trace(spec) -> dict[str, int]:
     """`memory_trace.trace_fake(spec)`, cached (`_cached`)."""
 
     def compute() -> dict[str, int]:
-        from hflow.utils.memory_trace import trace_fake
+        from hflow.tools.memory_trace import trace_fake
 
         return trace_fake(spec)
 
@@ -271,7 +271,7 @@ def _trace(spec) -> dict[str, int]:
 
 
 def _traced_components(peak: dict[str, int], role: str) -> dict[str, float]:
-    from hflow.utils.memory_trace import CATEGORIES
+    from hflow.tools.memory_trace import CATEGORIES
 
     out: dict[str, float] = {}
     for category, value in peak.items():
@@ -290,7 +290,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     None = this machine's device) with devices of `device_bytes` (None = `default_device_bytes`)."""
     from hflow.config_schema import check_placement
     from hflow.utils import device
-    from hflow.utils.memory_trace import PassSpec
+    from hflow.tools.memory_trace import PassSpec
     from hflow.workers.config import GPU_MEMORY_UTILIZATION
 
     target = target or ("cuda" if device.is_cuda() else "cpu")

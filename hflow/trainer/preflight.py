@@ -32,6 +32,7 @@ from hflow.config_schema import (
     per_rank_mini_batch,
 )
 from hflow.trainer.ppo.dapo import check_dapo_config
+from hflow.trainer.ppo.health import check_health_config
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import (
     check_ema,
@@ -147,6 +148,7 @@ def preflight_check(config: DictConfig) -> None:
     check_model_path(arr.model.path, "actor_rollout_ref.model.path")
     check_tokenizer_path(arr.model, "actor_rollout_ref.model")
     check_lora(arr, "actor_rollout_ref")
+    check_health_config(config)
     if config.custom_reward_function.path is not None and not Path(
             str(config.custom_reward_function.path)).expanduser().is_file():
         raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")
@@ -197,6 +199,9 @@ def preflight_check(config: DictConfig) -> None:
                 "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
                 f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
                 "algorithm.use_kl_in_reward=false")
+    if int(algo.rollout_check_freq) < 0:
+        raise ConfigError(f"algorithm.rollout_check_freq={algo.rollout_check_freq}: give N >= 1 (the separate old-log-prob "
+                          "pass every N steps when the update reuses its own) or 0 (never)")
     if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
         raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
     check_rollout_is(algo, rollout)

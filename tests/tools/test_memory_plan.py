@@ -168,7 +168,7 @@ def test_a_model_folder_without_a_model_type_skips_the_summary(tmp_path, capsys)
 def test_the_plan_matches_the_real_run_counted_on_cpu(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hflow.utils.memory_trace import count_real_pass
+    from hflow.tools.memory_trace import count_real_pass
 
     config = builtin_config("data.max_prompt_length=64", "data.max_response_length=64")
     plan = mp.plan_memory(config, "cpu", 8 * GIB)  # before the real process group: the plan makes a fake one

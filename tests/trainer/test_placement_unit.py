@@ -88,6 +88,7 @@ def test_a_checkpoint_taken_with_rollouts_in_flight_resumes_by_drawing_those_bat
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None,
                                                    "resume_mode": "auto", "resume_from_path": None}})
     trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward, trainer.reward_norm = 2, False, None, None
+    trainer.health = None
     trainer.actor_rollout_wg = trainer.rollout_wg = _Recorder()
     trainer.train_dataloader = _Loader()
     trainer._pending = deque(PendingRollout(batch=None, gen_batch=None, call=None, version=1,

@@ -74,6 +74,8 @@ INVALID = [
     (["trainer.cpus_per_worker=0"], ["trainer.cpus_per_worker"]),
     (["algorithm.reuse_update_log_probs=true", "actor_rollout_ref.actor.ppo_epochs=2"],
      ["algorithm.reuse_update_log_probs", "ppo_epochs"]),
+    (["algorithm.rollout_check_freq=-1"], ["algorithm.rollout_check_freq=-1"]),
+    (["trainer.health.enable=true", "trainer.health.snapshot=checkpoint"], ["trainer.save_freq"]),
     (["trainer.cpus_per_worker=3", "ray_init.num_cpus=4"], ["trainer.cpus_per_worker=3", "6 CPUs", "ray_init.num_cpus"]),
     # placement: no device left for training, TP not dividing the rollout pool, async without its own devices
     (["trainer.placement=split", "trainer.rollout_n_gpus=2"], ["trainer.rollout_n_gpus=2", "between 1 and 1"]),
