@@ -33,7 +33,8 @@ def _learned(records: list[dict]) -> list[float]:
     return [curve[step] for step in sorted(curve)]
 
 
-SPLIT = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "trainer.test_freq=4")
+# the sampler-vs-trainer check at every step (on-policy runs otherwise make it every 10th), after every stream
+SPLIT = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "trainer.test_freq=4", "algorithm.rollout_check_freq=1")
 
 
 @pytest.fixture(scope="module")
