@@ -167,7 +167,9 @@ def _model_config_text(model_cfg: DictConfig) -> str:
     try:
         raw = json.loads(path.read_text())
     except OSError as err:
-        raise ConfigError(f"the memory plan reads the model's config.json: {err}") from None
+        raise ConfigError(f"the memory plan reads the model's config.json ({err.strerror}: {path}); set the model's "
+                          "path key (e.g. actor_rollout_ref.model.path, critic.model.path) to a Hugging Face model "
+                          "folder") from None
     if "model_type" not in raw:
         raise ConfigError(f"{path} names no model_type: the memory plan cannot build the model from it")
     overrides = OmegaConf.to_container(model_cfg.override_config) if model_cfg.get("override_config") else {}
