@@ -375,8 +375,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
                 group["lr"] *= float(fault["value"])
         self.actor.nan_logits = fault.get("kind") == "nan_logits"
         started = time.perf_counter()
-        metrics = self.actor.update_policy(data.to(device.get_device()))
-        self.actor.nan_logits = False
+        try:
+            metrics = self.actor.update_policy(data.to(device.get_device()))
+        finally:
+            self.actor.nan_logits = False
         device.synchronize()  # the last optimizer step is still running on the GPU
         elapsed = time.perf_counter() - started
         metrics["timing_s/update_actor_worker"] = elapsed

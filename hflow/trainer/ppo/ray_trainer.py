@@ -29,8 +29,7 @@ from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGro
 from hflow.algorithms import core_algos
 from hflow.config_schema import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo import dapo, reward_shaping
-from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
-                                      zero_advantage_group_frac)
+from hflow.trainer.ppo.health import HealthWatch, UnhealthyRun, faults_at, poison_scores, zero_advantage_group_frac
 from hflow.workers.reward_manager.dapo import GENERATED_RESPONSE_MASK
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
@@ -199,9 +198,8 @@ class RayPPOTrainer:
         self._scoring = (ThreadPoolExecutor(1, thread_name_prefix="hflow-scoring")
                          if self.async_steps and not self.use_rm else None)
         self._stream_metrics: dict[str, float] = {}  # the latest weight stream's, for the next step's log
-        check_health_config(config)
+        # trainer.health (its rules: preflight's check_health_config)
         self.health = HealthWatch(trainer_cfg.health, trainer_cfg.log_dir) if trainer_cfg.health.enable else None
-        self._healthy_kept = False  # memory snapshots: a step has passed since the run (re)started
         self._driver_snapshots: dict[str, dict] = {}  # the driver's share of the candidate / healthy state
         self._healthy_checkpoint: int | None = None  # snapshot=checkpoint: the newest saved step a healthy step followed
         self._unconfirmed_checkpoint: int | None = None
@@ -727,8 +725,7 @@ class RayPPOTrainer:
             stop = True
         else:
             health.rolled_back()
-        for wg in self._trainable_groups():
-            wg.set_health_factors(health.lr_factor, health.clip_factor if wg is self.actor_rollout_wg else 1.0)
+        self._apply_health_factors()
         report = health.write_report(stopped=stop)
         metrics.update(health.metrics(triggered=True))
         if stop:
@@ -743,12 +740,16 @@ class RayPPOTrainer:
               f"(lr x{health.lr_factor:g}, clip x{health.clip_factor:g}); report: {report}")
         return True
 
+    def _apply_health_factors(self) -> None:
+        """The remedies so far, on the workers: learning rates (actor and critic) and the actor's clip."""
+        for wg in self._trainable_groups():
+            wg.set_health_factors(self.health.lr_factor, self.health.clip_factor if wg is self.actor_rollout_wg else 1.0)
+
     def _step_was_healthy(self) -> None:
         if self.config.trainer.health.snapshot == "memory":
             for wg in self._trainable_groups():
                 wg.commit_snapshot()
             self._driver_snapshots["healthy"] = self._driver_snapshots.pop("candidate")
-            self._healthy_kept = True
         elif self._unconfirmed_checkpoint == self.global_steps - 1:  # the saved state started a healthy step
             self._healthy_checkpoint = self._unconfirmed_checkpoint
 
@@ -756,7 +757,8 @@ class RayPPOTrainer:
         """Put the actor (and critic) back to the last healthy state; None when there is none to restore.
         The data loader is not rewound: the batches since are skipped."""
         if self.config.trainer.health.snapshot == "memory":
-            slot = "healthy" if self._healthy_kept else "candidate"  # before any healthy step: the run's start
+            # before any step passed, the state this run (re)started from
+            slot = "healthy" if "healthy" in self._driver_snapshots else "candidate"
             for wg in self._trainable_groups():
                 wg.restore_snapshot(slot)
             driver, where = self._driver_snapshots[slot], "the start of the last healthy step (host memory)"
@@ -850,9 +852,7 @@ class RayPPOTrainer:
             self._unconfirmed_checkpoint = self.global_steps
             if self.health is not None and state.get("health") is not None:  # the remedies so far stay in force
                 self.health.load_state_dict(state["health"])
-                for wg in self._trainable_groups():
-                    wg.set_health_factors(self.health.lr_factor,
-                                          self.health.clip_factor if wg is self.actor_rollout_wg else 1.0)
+                self._apply_health_factors()
         self._batches = self._epoch_batches()
 
     # ------------------------------------------------------------------ dumps

@@ -148,7 +148,7 @@ class DataParallelPPOActor(BasePPOActor):
         entropy = None
         if calculate_entropy:  # fp32, block-wise like the log-probs
             with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+                entropy = entropy_from_logits(logits)
         if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
             log_probs = packed.unpack_response(log_probs[0])
             entropy = packed.unpack_response(entropy[0]) if entropy is not None else None
