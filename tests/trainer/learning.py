@@ -18,11 +18,12 @@ def validation_curve(records: list[dict], key: str = VAL_KEY) -> dict[int, float
     return {r["step"]: r[key] for r in records if key in r}
 
 
-def assert_learned(curve: dict[int, float]) -> None:
-    """Starts wrong, ends right, and stays right once learned (not one lucky validation at the end)."""
+def assert_learned(curve: dict[int, float], end_at_least: float = END_AT_LEAST) -> None:
+    """Starts wrong, ends right, and stays right once learned (not one lucky validation at the end).
+    `end_at_least`: lower only for a run whose samples are deliberately stale, and say why where it is lowered."""
     steps = sorted(curve)
     assert len(steps) >= 2 and steps[0] == 0, f"need validation before training and after it: {curve}"
     assert curve[0] <= START_AT_MOST, f"the built-in model should start out wrong: {curve}"
-    assert curve[steps[-1]] >= END_AT_LEAST, f"did not learn: {curve}"
+    assert curve[steps[-1]] >= end_at_least, f"did not learn: {curve}"
     settled = [curve[s] for s in steps if s >= SETTLED_FROM_STEP]
     assert sum(settled) / len(settled) >= SETTLED_MEAN, f"learned, but did not stay learned: {curve}"

