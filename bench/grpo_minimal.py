@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
     from hflow.algorithms.core_algos import compute_grpo_outcome_advantage, compute_policy_loss, kl_penalty
     from hflow.utils.reward_score.arithmetic import compute_score
     from hflow.utils.torch_functional import get_response_mask, logprobs_from_logits
-    from hflow.workers.rollout.vllm_rollout import _retie_lm_head
+    from hflow.utils.flops_counter import training_flops
+    from hflow.workers.rollout.vllm_rollout import CPU_DEFAULT_KV_CACHE_BYTES, _retie_lm_head
 
     torch.manual_seed(spec["seed"])
     B, n, L, T = spec["batch_prompts"], spec["n"], spec["response_length"], spec["temperature"]
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     policy.config.use_cache = False
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=spec["lr"], betas=(0.9, 0.999), weight_decay=0.01)
+    kv_cache_bytes = spec["kv_cache_bytes"] or CPU_DEFAULT_KV_CACHE_BYTES  # None: what hflow's engine gets
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=spec["seed"], load_format="dummy",
-              max_model_len=spec["max_prompt_length"] + L, kv_cache_memory_bytes=spec["kv_cache_bytes"],
+              max_model_len=spec["max_prompt_length"] + L, kv_cache_memory_bytes=kv_cache_bytes,
               enable_prefix_caching=True, max_num_batched_tokens=8192, max_num_seqs=256)
     tied = bool(policy.config.tie_word_embeddings)
     ignore_eos = spec.get("ignore_eos", True)
@@ -171,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
         phases["step"] = time.perf_counter() - start
         # the work done: with ignore_eos every response is L tokens long, wherever its first EOS is
         generated = torch.tensor([len(r) for r in responses]).float()
-        iterations.append({"phases": phases, "reward_mean": scores.mean().item(),
+        # the update's model FLOPs, counted as hflow's perf/mfu/actor counts them (valid tokens only)
+        update_flops = training_flops(policy.config, attention_mask.sum(-1).tolist(), lm_head_tokens=int(num_tokens))
+        iterations.append({"phases": phases, "reward_mean": scores.mean().item(), "update_flops": update_flops,
                            "tokens": n * sum(len(p) for p in batch_prompts) + int(generated.sum()),
                            "response_length_mean": generated.mean().item()})
         print(f"[minimal] iteration {it}: {phases['step']:.2f}s  " +
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         "reward_mean": [r["reward_mean"] for r in iterations],
         "tokens_per_iteration": [r["tokens"] for r in iterations],
         "response_length_mean": [r["response_length_mean"] for r in iterations],
+        "update_flops": [r["update_flops"] for r in iterations],
         "warmup": spec["warmup"],
     }
     args.out.write_text(json.dumps(result, indent=1))

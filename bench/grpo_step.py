@@ -10,6 +10,9 @@ Workloads (the same prompts, n, lengths, batch, learning rate, precision for eve
   smollm2   SmolLM2-135M-Instruct and the word problems of examples/smollm2_arith: 8 prompts x 4 samples,
             responses up to 64 tokens that stop at EOS (prompts <= 96 tokens): lengths vary as in real runs,
             so padding costs what it costs there
+  smollm2-64  the same model and problems, 16 prompts x 4 samples, every prompt exactly 64 tokens (the
+            problems whose chat-templated prompt is), up to 64 new tokens stopping at EOS, micro-batches of 16,
+            the engine's KV cache at hflow's default: the shape issue 26 measured
 
 Systems, each in its own fresh process(es), iterations run back to back, the first --warmup dropped:
 
@@ -38,9 +41,11 @@ one AdamW step over the whole batch, on-policy: the old log-probs are the update
 Each system counts the tokens it processed (prompt + response: up to and with the EOS, or all
 response_length tokens with ignore_eos) and its mean response length; with responses that stop at EOS these
 differ a little between systems, so the ratios are per token: "time/token vs minimal" is the minimal loop's
-tokens/s over the row's, "tok/s vs TRL" the row's over TRL's; "update MFU" (hflow rows) is the actor
-update's `perf/mfu/actor`: model FLOPs over time x peak (on CPU, the peak of this machine's own fp32 matmul,
-measured once and cached: hflow/utils/flops_counter.py), i.e. how far the update is from the hardware.
+tokens/s over the row's, "tok/s vs TRL" the row's over TRL's. "gen tok/s" is generated tokens per second of
+generation; "gen time/token vs minimal" the minimal loop's gen tok/s over the row's. "update GFLOP/s (% peak)"
+is the actor update's model FLOP rate (hflow: `perf/mfu/actor` x the peak; the minimal loop: the same count,
+hflow/utils/flops_counter.py, over its update time) against this machine's own fp32 matmul peak (measured once
+and cached), i.e. how far the update is from the hardware; the line under the table gives that ceiling.
 Prints one table (medians over the measured iterations with their min-max) and writes one report per
 workload, bench/results/grpo_step_<workload>.{md,json} (`--render JSON` rewrites them from a stored run).
 Every system of the table is measured in this run: a system that fails (or is not asked for) has no row
@@ -75,6 +80,10 @@ WORKLOADS = {
     # responses stop at EOS, as in real runs: lengths vary, which is what remove-padding is for
     "smollm2": {"batch_prompts": 8, "n": 4, "max_prompt_length": 96, "response_length": 64, "lr": 1e-6,
                 "micro_batch_size": 8, "kv_cache_bytes": 2**30, "ignore_eos": False},
+    # twice the prompts, every prompt exactly 64 tokens (the word problems whose chat-templated prompt is),
+    # micro-batches of 16, the engine's KV cache at hflow's default (kv_cache_bytes None)
+    "smollm2-64": {"batch_prompts": 16, "n": 4, "max_prompt_length": 64, "prompt_tokens": 64, "response_length": 64,
+                   "lr": 1e-6, "micro_batch_size": 16, "kv_cache_bytes": None, "ignore_eos": False},
 }
 
 
@@ -99,10 +108,18 @@ def workload_files(name: str, data_dir: Path) -> tuple[str, str]:
 
 def prompt_file(source: str, spec: dict, path: Path) -> str:
     """The prompts of every iteration, in order, as one parquet: iteration i reads rows i*B ... i*B+B-1.
-    Every system reads it front to back (hflow with data.shuffle=false), so all see the same prompts."""
+    Every system reads it front to back (hflow with data.shuffle=false), so all see the same prompts.
+    With `prompt_tokens` only the rows whose chat-templated prompt is exactly that many tokens long."""
     import pandas as pd
 
     rows = pd.read_parquet(source)
+    if spec.get("prompt_tokens"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+        lengths = [len(tokenizer(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False),
+                                 add_special_tokens=False)["input_ids"]) for p in rows["prompt"]]
+        rows = rows[[n == spec["prompt_tokens"] for n in lengths]].reset_index(drop=True)
     B = spec["batch_prompts"]
     per_epoch = len(rows) // B  # whole batches only, as the trainer's loader (drop_last)
     if per_epoch == 0:
@@ -141,7 +158,6 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding
         f"actor_rollout_ref.rollout.n={spec['n']}", f"actor_rollout_ref.rollout.temperature={spec['temperature']}",
         f"actor_rollout_ref.rollout.ignore_eos={str(spec['ignore_eos']).lower()}",
         f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
-        f"actor_rollout_ref.rollout.kv_cache_memory_bytes={spec['kv_cache_bytes']}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={spec['micro_batch_size']}",
         f"actor_rollout_ref.rollout.seed={spec['seed']}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={spec['micro_batch_size']}",
@@ -152,13 +168,15 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding
         f"trainer.log_dir={work / 'logs'}", "trainer.project_name=bench", "trainer.experiment_name=grpo_step",
         f"ray_init.num_cpus={workers * cpus_per_worker}",
     ]
+    if spec["kv_cache_bytes"] is not None:  # else hflow's default
+        overrides.append(f"actor_rollout_ref.rollout.kv_cache_memory_bytes={spec['kv_cache_bytes']}")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
     with open(work / "hflow.log", "w") as out:
         subprocess.run([sys.executable, "-m", "hflow.trainer.main_ppo", *overrides], cwd=ROOT, env=env,
                        stdout=out, stderr=subprocess.STDOUT, check=True)
     steps = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "timing_s/step" in s]
-    phases = {p: [s.get(f"timing_s/{p}", 0.0) for s in steps] for p in PHASES}
+    phases = {p: [s.get(f"timing_s/{p}", 0.0) for s in steps] for p in (*PHASES, "generate_worker")}
     # hflow's gen timer includes the weight sync (the sharding manager runs inside generate_sequences)
     phases["gen"] = [g - w for g, w in zip(phases["gen"], phases["weight_sync"], strict=True)]
     # the work actually done: prompt + response tokens of every sample; with ignore_eos every response is
@@ -216,7 +234,8 @@ SYSTEMS = tuple(RUNNERS)
 
 # ---- summary -------------------------------------------------------------------------------------
 
-def summarize(result: dict, warmup: int) -> dict:
+def summarize(result: dict, warmup: int, cached_peak: float | None) -> dict:
+    """Medians over the measured iterations; `cached_peak`: the peak hflow's perf/mfu/actor was divided by."""
     times = result["iteration_s"][warmup:]
     # each system reports the tokens of its own batches: responses that stop at EOS differ in length from
     # one system to the next (TRL's sampler may also order the prompts differently)
@@ -229,17 +248,30 @@ def summarize(result: dict, warmup: int) -> dict:
     for phase, values in (result.get("phases_s") or {}).items():
         if len(values) > warmup:
             summary[phase] = statistics.median(values[warmup:])
+    # generated tokens per second of generation (the sync excluded)
+    gen = (result.get("phases_s") or {}).get("gen", [])[warmup:]
+    if lengths and gen and result.get("samples"):
+        summary["gen_tokens_per_s"] = statistics.median(result["samples"] * n / s for n, s in zip(lengths, gen))
+    # the update's model FLOP rate: hflow's perf/mfu/actor x the peak it was measured against, or the
+    # system's own count of the update's FLOPs (the minimal loop counts them as hflow does) over its time
     mfu = [m for m in (result.get("mfu_actor") or [])[warmup:] if m is not None]
-    if mfu:
-        summary["mfu_actor"] = statistics.median(mfu)
+    flops = (result.get("update_flops") or [])[warmup:]
+    update = (result.get("phases_s") or {}).get("update_actor", [])[warmup:]
+    if mfu and cached_peak:
+        summary["update_flops_per_s"] = statistics.median(mfu) * cached_peak
+    elif flops and update:
+        summary["update_flops_per_s"] = statistics.median(f / s for f, s in zip(flops, update))
+    if flops:
+        summary["update_flops"] = statistics.median(flops)
     return summary
 
 
-def table(results: dict) -> str:
-    """Per system: median s/iteration, tokens/s, mean response length and phase times; for hflow rows,
-    time per token / the minimal loop's, tokens/s / TRL's tokens/s and the actor update's MFU."""
-    header = ["workload", "system", "s/iter [min-max]", "tok/s", "resp len", *PHASES, "time/token vs minimal",
-              "tok/s vs TRL", "update MFU"]
+def table(results: dict, peak_flops: float | None) -> str:
+    """Per system: median s/iteration, tokens/s, mean response length, phase times, generated tokens per
+    second of generation and the update's GFLOP/s (% of `peak_flops`); for hflow rows, time per token / the
+    minimal loop's, generation time per token / the minimal loop's and tokens/s / TRL's tokens/s."""
+    header = ["workload", "system", "s/iter [min-max]", "tok/s", "resp len", *PHASES, "gen tok/s",
+              "update GFLOP/s (% peak)", "time/token vs minimal", "gen time/token vs minimal", "tok/s vs TRL"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, systems in results.items():
         minimal = systems.get("minimal", {}).get("summary")
@@ -253,14 +285,34 @@ def table(results: dict) -> str:
             length = f"{s['response_length']:.1f}" if s.get("response_length") is not None else "-"
             cells = [workload, system, spread, f"{s['tokens_per_s']:.0f}", length]
             cells += [f"{s[p]:.2f}" if p in s else "-" for p in PHASES]
+            cells.append(f"{s['gen_tokens_per_s']:.0f}" if "gen_tokens_per_s" in s else "-")
+            rate = s.get("update_flops_per_s")
+            cells.append(f"{rate / 1e9:.0f} ({100 * rate / peak_flops:.0f} %)" if rate and peak_flops else "-")
             is_hflow = system.startswith("hflow")
             # time per token: responses that stop at EOS make the work differ a little between systems
             cells.append(f"{minimal['tokens_per_s'] / s['tokens_per_s']:.2f}x" if is_hflow and minimal else "-")
+            both_gen = is_hflow and minimal and "gen_tokens_per_s" in s and "gen_tokens_per_s" in minimal
+            cells.append(f"{minimal['gen_tokens_per_s'] / s['gen_tokens_per_s']:.2f}x" if both_gen else "-")
             cells.append(", ".join(f"{s['tokens_per_s'] / t['tokens_per_s']:.2f}x {k}" for k, t in trls)
                          if is_hflow and trls else "-")
-            cells.append(f"{100 * s['mfu_actor']:.3g} %" if s.get("mfu_actor") is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
+        if peak_flops and minimal and minimal.get("update_flops"):
+            lines.append(f"\nCeiling: this machine's fp32 matmul peak is {peak_flops / 1e9:.0f} GFLOP/s (measured in "
+                         f"this run, hflow/utils/flops_counter.py); at that rate the update of the minimal loop's "
+                         f"median batch ({minimal['update_flops'] / 1e12:.2f} TFLOP, counted) would take "
+                         f"{minimal['update_flops'] / peak_flops:.1f} s (computed). The % column divides by this "
+                         "peak; hflow's own perf/mfu/actor divides by the best ever measured on this machine "
+                         "(hflow's peak cache), so it reads a little lower.")
     return "\n".join(lines)
+
+
+def matmul_peak(threads: int) -> float:
+    """This machine's fp32 matmul FLOP/s now, with `threads` torch threads: the best of three of
+    hflow's measurements (hflow/utils/flops_counter.py), in a process of its own."""
+    code = ("import torch; torch.set_num_threads({}); from hflow.utils.flops_counter import measure_matmul_flops; "
+            "print(max(measure_matmul_flops() for _ in range(3)))").format(threads)
+    return float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, text=True,
+                                stdout=subprocess.PIPE).stdout.strip().splitlines()[-1])
 
 
 def machine() -> str:
@@ -289,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
         for workload, systems in report["results"].items():
             for entry in systems.values():
                 if isinstance(entry, dict) and "iteration_s" in entry:
-                    entry["summary"] = summarize(entry, report["warmup"])
+                    entry["summary"] = summarize(entry, report["warmup"], report.get("cached_peak_flops"))
         write_reports(report, args.out)
         return report
     systems = [s for s in args.systems.split(",") if s]
@@ -299,6 +351,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.iterations <= args.warmup:
         parser.error("--iterations must be larger than --warmup")
 
+    from hflow.utils.flops_counter import cpu_peak_flops
+
+    cached_peak = cpu_peak_flops()  # the best ever measured here: what hflow's perf/mfu/actor divides by
+    run_peaks = [matmul_peak(args.threads)]  # and the ceiling as the machine stands today: start and end of run
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         for workload in args.workloads.split(","):
@@ -324,13 +380,16 @@ def main(argv: list[str] | None = None) -> dict:
                     log(f"{workload}: {system} failed ({error}); last output:\n{tail}")
                     results[workload][system] = {"error": str(error)}
                     continue
-                raw["summary"] = summarize(raw, args.warmup)
+                raw.setdefault("samples", spec["batch_prompts"] * spec["n"])
+                raw["summary"] = summarize(raw, args.warmup, cached_peak)
                 results[workload][system] = raw
                 log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
                     f"{raw['summary']['iteration_s']:.2f} s/iter")
 
+    run_peaks.append(matmul_peak(args.threads))
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
-              "warmup": args.warmup, "results": results}
+              "warmup": args.warmup, "cached_peak_flops": cached_peak, "run_peak_flops": run_peaks,
+              "peak_flops": max(run_peaks), "results": results}
     write_reports(report, args.out)
     return report
 
@@ -342,7 +401,7 @@ def write_reports(report: dict, out: Path) -> None:
     smoke = " **Smoke run (fewer than 5 measured iterations): not a result.**" if measured < 5 else ""
     out.parent.mkdir(parents=True, exist_ok=True)
     for workload, results in report["results"].items():
-        text = table({workload: {k: v for k, v in results.items() if k != "spec"}})
+        text = table({workload: {k: v for k, v in results.items() if k != "spec"}}, report.get("peak_flops"))
         print(text)
         path = out.parent / f"{out.name}_{workload}"
         path.with_suffix(".json").write_text(json.dumps({**report, "results": {workload: results}}, indent=1))

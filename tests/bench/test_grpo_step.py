@@ -68,9 +68,23 @@ def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
     hflow_s, minimal_s = results["hflow"]["iteration_s"][1], results["minimal"]["iteration_s"][1]
     assert f"| {hflow_s / minimal_s:.2f}x |" in hflow_row, (hflow_s, minimal_s, hflow_row)
     assert f"{hflow_s:.2f} [{hflow_s:.2f}-{hflow_s:.2f}]" in hflow_row
-    # and the actor update's MFU, against this CPU's measured peak: the second step's, as a percentage
+    # the actor update's FLOP rate against this CPU's measured peak: hflow's from its perf/mfu/actor, the
+    # minimal loop's from its own count of the same update's FLOPs (hflow's counter) over its update time
+    peak, cached_peak = report["peak_flops"], report["cached_peak_flops"]
+    assert peak == max(report["run_peak_flops"]) and len(report["run_peak_flops"]) == 2  # start and end of run
     mfu = results["hflow"]["mfu_actor"][1]
-    assert 0 < mfu <= 1 and hflow_row.endswith(f"| {100 * mfu:.3g} % |"), hflow_row
+    rate = mfu * cached_peak  # perf/mfu/actor was divided by hflow's cached peak
+    assert 0 < mfu <= 1 and f"| {rate / 1e9:.0f} ({100 * rate / peak:.0f} %) |" in hflow_row, hflow_row
+    minimal = results["minimal"]
+    minimal_rate = minimal["update_flops"][1] / minimal["phases_s"]["update_actor"][1]
+    minimal_row = next(line for line in table.splitlines() if line.startswith("| builtin | minimal |"))
+    assert f"| {minimal_rate / 1e9:.0f} ({100 * minimal_rate / peak:.0f} %) |" in minimal_row, minimal_row
+    assert f"peak is {peak / 1e9:.0f} GFLOP/s" in table
+    # generation: generated tokens (B x n x L, fixed length) per second of generation, and hflow's ratio
+    gen_rates = {k: B * n * L / results[k]["phases_s"]["gen"][1] for k in ("hflow", "minimal")}
+    for system, rate in gen_rates.items():
+        assert abs(results[system]["summary"]["gen_tokens_per_s"] - rate) < 1e-6 * rate, system
+    assert f"| {gen_rates['minimal'] / gen_rates['hflow']:.2f}x |" in hflow_row, hflow_row
     assert "Smoke run" in table  # one measured iteration is not a result, and says so
     # --render rewrites the same report from the stored run, measuring nothing
     table_path.unlink()

@@ -140,8 +140,10 @@ class DataParallelPPOActor(BasePPOActor):
             labels = responses
             logits = self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
         # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
-        # FSDP has hooked the output tensor, which an in-place op must not replace.
-        logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
+        # FSDP has hooked the output tensor, which an in-place op must not replace. At T = 1 nothing to do:
+        # a pass over the (B, L, V) logits, forward and backward, saved.
+        if temperature != 1.0:
+            logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
         if self.nan_logits:
             logits = logits * float("nan")
         log_probs = logprobs_from_logits(logits, labels)
