@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{raw['summary']['iteration_s']:.2f} s/iter")
 
     run_peaks.append(matmul_peak(args.threads))
-    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
+    report = {"command": " ".join(["python bench/grpo_step.py", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
               "warmup": args.warmup, "cached_peak_flops": cached_peak, "run_peak_flops": run_peaks,
               "peak_flops": max(run_peaks), "results": results}
     write_reports(report, args.out)
