@@ -43,9 +43,10 @@ response_length tokens with ignore_eos) and its mean response length; with respo
 differ a little between systems, so the ratios are per token: "time/token vs minimal" is the minimal loop's
 tokens/s over the row's, "tok/s vs TRL" the row's over TRL's. "gen tok/s" is generated tokens per second of
 generation; "gen time/token vs minimal" the minimal loop's gen tok/s over the row's. "update GFLOP/s (% peak)"
-is the actor update's model FLOP rate (hflow: `perf/mfu/actor` x the peak; the minimal loop: the same count,
-hflow/utils/flops_counter.py, over its update time) against this machine's own fp32 matmul peak (measured once
-and cached), i.e. how far the update is from the hardware; the line under the table gives that ceiling.
+is the actor update's model FLOP rate (hflow: `perf/mfu/actor` x the cached peak each worker divided by x the
+workers; the minimal loop: the same count, hflow/utils/flops_counter.py, over its update time) against this
+machine's fp32 matmul peak measured at the start and the end of the run, i.e. how far the update is from the
+hardware; the line under the table gives that ceiling.
 Prints one table (medians over the measured iterations with their min-max) and writes one report per
 workload, bench/results/grpo_step_<workload>.{md,json} (`--render JSON` rewrites them from a stored run).
 Every system of the table is measured in this run: a system that fails (or is not asked for) has no row
@@ -188,6 +189,8 @@ def run_hflow(spec: dict, work: Path, workers: int | None = None, remove_padding
             "tokens_per_iteration": tokens, "response_length_mean": lengths,
             "reward_mean": [s.get("critic/score/mean") for s in steps], "workers": workers,
             "mfu_actor": [s.get("perf/mfu/actor") for s in steps],
+            # what each worker's perf/mfu/actor divided by: the cached peak of its own thread count
+            "worker_peak_flops": cpu_flops(cpus_per_worker, cached=True),
             "cpus_per_worker": cpus_per_worker}
 
 
@@ -234,8 +237,8 @@ SYSTEMS = tuple(RUNNERS)
 
 # ---- summary -------------------------------------------------------------------------------------
 
-def summarize(result: dict, warmup: int, cached_peak: float | None) -> dict:
-    """Medians over the measured iterations; `cached_peak`: the peak hflow's perf/mfu/actor was divided by."""
+def summarize(result: dict, warmup: int) -> dict:
+    """Medians over the measured iterations, and the rates derived from them."""
     times = result["iteration_s"][warmup:]
     # each system reports the tokens of its own batches: responses that stop at EOS differ in length from
     # one system to the next (TRL's sampler may also order the prompts differently)
@@ -252,13 +255,14 @@ def summarize(result: dict, warmup: int, cached_peak: float | None) -> dict:
     gen = (result.get("phases_s") or {}).get("gen", [])[warmup:]
     if lengths and gen and result.get("samples"):
         summary["gen_tokens_per_s"] = statistics.median(result["samples"] * n / s for n, s in zip(lengths, gen))
-    # the update's model FLOP rate: hflow's perf/mfu/actor x the peak it was measured against, or the
-    # system's own count of the update's FLOPs (the minimal loop counts them as hflow does) over its time
+    # the update's model FLOP rate: hflow's perf/mfu/actor (each worker's own FLOPs over its time x its peak,
+    # averaged over the workers) x that peak x the workers, or the system's own count of the update's FLOPs
+    # (the minimal loop counts them as hflow does) over its time
     mfu = [m for m in (result.get("mfu_actor") or [])[warmup:] if m is not None]
     flops = (result.get("update_flops") or [])[warmup:]
     update = (result.get("phases_s") or {}).get("update_actor", [])[warmup:]
-    if mfu and cached_peak:
-        summary["update_flops_per_s"] = statistics.median(mfu) * cached_peak
+    if mfu and result.get("worker_peak_flops"):
+        summary["update_flops_per_s"] = statistics.median(mfu) * result["worker_peak_flops"] * result["workers"]
     elif flops and update:
         summary["update_flops_per_s"] = statistics.median(f / s for f, s in zip(flops, update))
     if flops:
@@ -302,15 +306,17 @@ def table(results: dict, peak_flops: float | None) -> str:
                          f"median batch ({minimal['update_flops'] / 1e12:.2f} TFLOP, counted) would take "
                          f"{minimal['update_flops'] / peak_flops:.1f} s (computed). The % column divides by this "
                          "peak; hflow's own perf/mfu/actor divides by the best ever measured on this machine "
-                         "(hflow's peak cache), so it reads a little lower.")
+                         "(hflow's peak cache, per worker), so it reads a little lower.")
     return "\n".join(lines)
 
 
-def matmul_peak(threads: int) -> float:
-    """This machine's fp32 matmul FLOP/s now, with `threads` torch threads: the best of three of
-    hflow's measurements (hflow/utils/flops_counter.py), in a process of its own."""
-    code = ("import torch; torch.set_num_threads({}); from hflow.utils.flops_counter import measure_matmul_flops; "
-            "print(max(measure_matmul_flops() for _ in range(3)))").format(threads)
+def cpu_flops(threads: int, cached: bool = False) -> float:
+    """This machine's fp32 matmul FLOP/s with `threads` torch threads, in a process of its own: the peak
+    hflow's workers divide by (`cached`: hflow/utils/flops_counter.py's cache, measured there if missing), or
+    the machine as it stands now (the best of three fresh measurements)."""
+    rate = "cpu_peak_flops()" if cached else "max(measure_matmul_flops() for _ in range(3))"
+    code = (f"import torch; torch.set_num_threads({threads}); "
+            f"from hflow.utils.flops_counter import cpu_peak_flops, measure_matmul_flops; print({rate})")
     return float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, text=True,
                                 stdout=subprocess.PIPE).stdout.strip().splitlines()[-1])
 
@@ -341,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
         for workload, systems in report["results"].items():
             for entry in systems.values():
                 if isinstance(entry, dict) and "iteration_s" in entry:
-                    entry["summary"] = summarize(entry, report["warmup"], report.get("cached_peak_flops"))
+                    if "mfu_actor" in entry and "worker_peak_flops" not in entry:  # a report from before the field
+                        entry["worker_peak_flops"] = cpu_flops(entry["cpus_per_worker"], cached=True)
+                    entry["summary"] = summarize(entry, report["warmup"])
         write_reports(report, args.out)
         return report
     systems = [s for s in args.systems.split(",") if s]
@@ -351,10 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.iterations <= args.warmup:
         parser.error("--iterations must be larger than --warmup")
 
-    from hflow.utils.flops_counter import cpu_peak_flops
-
-    cached_peak = cpu_peak_flops()  # the best ever measured here: what hflow's perf/mfu/actor divides by
-    run_peaks = [matmul_peak(args.threads)]  # and the ceiling as the machine stands today: start and end of run
+    run_peaks = [cpu_flops(args.threads)]  # the ceiling as the machine stands: at the start and end of the run
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         for workload in args.workloads.split(","):
@@ -381,15 +386,15 @@ def main(argv: list[str] | None = None) -> dict:
                     results[workload][system] = {"error": str(error)}
                     continue
                 raw.setdefault("samples", spec["batch_prompts"] * spec["n"])
-                raw["summary"] = summarize(raw, args.warmup, cached_peak)
+                raw["summary"] = summarize(raw, args.warmup)
                 results[workload][system] = raw
                 log(f"{workload}: {system} done in {time.perf_counter() - started:.0f}s: "
                     f"{raw['summary']['iteration_s']:.2f} s/iter")
 
-    run_peaks.append(matmul_peak(args.threads))
+    run_peaks.append(cpu_flops(args.threads))
     report = {"command": " ".join(["python bench/grpo_step.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "iterations": args.iterations,
-              "warmup": args.warmup, "cached_peak_flops": cached_peak, "run_peak_flops": run_peaks,
+              "warmup": args.warmup, "run_peak_flops": run_peaks,
               "peak_flops": max(run_peaks), "results": results}
     write_reports(report, args.out)
     return report

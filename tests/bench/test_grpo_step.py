@@ -70,10 +70,13 @@ def test_grpo_step_builtin_hflow_and_minimal(tmp_path):
     assert f"{hflow_s:.2f} [{hflow_s:.2f}-{hflow_s:.2f}]" in hflow_row
     # the actor update's FLOP rate against this CPU's measured peak: hflow's from its perf/mfu/actor, the
     # minimal loop's from its own count of the same update's FLOPs (hflow's counter) over its update time
-    peak, cached_peak = report["peak_flops"], report["cached_peak_flops"]
+    peak = report["peak_flops"]
     assert peak == max(report["run_peak_flops"]) and len(report["run_peak_flops"]) == 2  # start and end of run
-    mfu = results["hflow"]["mfu_actor"][1]
-    rate = mfu * cached_peak  # perf/mfu/actor was divided by hflow's cached peak
+    hflow = results["hflow"]
+    mfu = hflow["mfu_actor"][1]
+    # perf/mfu/actor is each worker's rate over the cached peak of its own threads (one each here), averaged
+    assert hflow["workers"] == 2 and hflow["cpus_per_worker"] == 1
+    rate = mfu * hflow["worker_peak_flops"] * 2
     assert 0 < mfu <= 1 and f"| {rate / 1e9:.0f} ({100 * rate / peak:.0f} %) |" in hflow_row, hflow_row
     minimal = results["minimal"]
     minimal_rate = minimal["update_flops"][1] / minimal["phases_s"]["update_actor"][1]
