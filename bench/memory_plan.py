@@ -5,8 +5,9 @@
 For each model and setting (batch, lengths, micro-batches, gradient checkpointing, remove-padding, world
 size) the plan (`hflow.tools.memory_plan.plan_memory`, fake tensors in a fake process group) gives, per
 phase that torch runs, the pass's peak as the memory tracker counts it. The same tracker
-(`FSDPMemTracker`) then counts the real run: W gloo processes on this CPU, the model's real weights read
-by hflow's loader, sharded by `apply_fsdp2`, and hflow's own `DataParallelPPOActor` / `DataParallelPPOCritic`
+(`FSDPMemTracker`; torch's `MemTracker` where `apply_fsdp2` leaves one rank's model plain) then counts the
+real run: W gloo processes on this CPU, the model's real weights read by hflow's loader, sharded by
+`apply_fsdp2`, and hflow's own `DataParallelPPOActor` / `DataParallelPPOCritic`
 doing `compute_log_prob`, `compute_values`, `update_policy` and `update_critic` on a batch of full-length
 sequences (each update is counted on its second step: AdamW's moments exist). The table gives plan,
 counted and their ratio per phase; the check is |ratio - 1| <= 10 %.
@@ -141,7 +142,7 @@ def smollm2_path() -> str:
 
 
 def _count_worker(rank: int, world: int, jobs: list[dict], port: int, out_file: str) -> None:
-    """One of `world` gloo ranks: every job's real pass under FSDPMemTracker; rank 0 writes the counts."""
+    """One of `world` gloo ranks: every job's real pass under the memory tracker; rank 0 writes the counts."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -235,7 +236,8 @@ def write_md(rows: list, qwen: list | None, out: Path, argv: list[str]) -> None:
              f"Command: `{' '.join(['OMP_NUM_THREADS=1 python bench/memory_plan.py', *argv])}`", "",
              "Plan: `hflow.tools.memory_plan.plan_memory(config, 'cpu')`, the traced part of each phase (the pass "
              "on fake tensors in a fake process group of the run's world size). Counted: the same tracker "
-             "(`FSDPMemTracker`) around hflow's `DataParallelPPOActor` / `DataParallelPPOCritic` on real "
+             "(`FSDPMemTracker`; at W = 1, where `apply_fsdp2` leaves a model that nothing casts plain, torch's "
+             "`MemTracker`) around hflow's `DataParallelPPOActor` / `DataParallelPPOCritic` on real "
              "weights, sharded by `apply_fsdp2` over W gloo processes (rank 0's count); updates counted on "
              "their second step. Every sequence is full length (the plan's worst case). "
              f"Check: |plan / counted - 1| <= {TOLERANCE:.0%}. Both sides are the tracker's count of live tensor "

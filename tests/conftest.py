@@ -48,3 +48,12 @@ def world_of_one():
     dist.init_process_group(device.dist_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield build_device_mesh(1)
     dist.destroy_process_group()
+
+
+@pytest.fixture()
+def fsdp_on_one_rank(monkeypatch):
+    """FSDP2 even where `apply_fsdp2` would leave a one-rank model plain (fp32, nothing to cast): for the
+    tests of FSDP2's own behaviour (resharding, gathering) in a worker built on `world_of_one`."""
+    from hflow.utils import fsdp_utils
+
+    monkeypatch.setattr(fsdp_utils, "nothing_for_fsdp_to_do", lambda *args, **kwargs: False)

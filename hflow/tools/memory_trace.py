@@ -6,7 +6,8 @@ runs the hflow code path it describes: the model built from its Hugging Face con
 actor's `_forward_micro_batch` (logits of the response positions only, block-wise log-probs and entropy)
 or the critic's value slice, backward per micro-batch and the AdamW step. `FSDPMemTracker`
 (`torch.distributed._tools`) counts every tensor the pass holds on the rank, by category (sharded and
-unsharded parameters, gradients, optimizer state, activations, temporaries, collective buffers).
+unsharded parameters, gradients, optimizer state, activations, temporaries, collective buffers); a model
+that `apply_fsdp2` left unsharded (one rank, nothing to cast) is counted by its parent, `MemTracker`.
 
 `trace_fake` runs it on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage, no arithmetic) in
 a fake process group of the pass's world size (`FakeStore`), so one process counts what each of W ranks
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 __all__ = ["CATEGORIES", "PassSpec", "count_real_pass", "repeated_forwards", "trace_fake"]
 
@@ -192,14 +194,12 @@ def _rollout_forward(model: nn.Module, spec: PassSpec) -> None:
         torch.softmax(logits.float(), dim=-1)
 
 
-def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tracker_cls, mesh=None) -> dict[str, int]:
+def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
     from hflow.utils.fsdp_utils import build_optimizer, no_grad_pass
 
     vocab = int(model.config.vocab_size)
     if spec.logits_positions is not None:  # the rollout engine's forward: one unsharded model, no FSDP
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
@@ -222,9 +222,8 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tracker_cls, mesh=Non
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    tracker = tracker_cls(model, optimizer)
-    tracker.track_inputs(tuple(batches))
-    with tracker, repeated_forwards(model, tracker):
+    tracker = _tracker(model, optimizer, batches)
+    with repeated_forwards(model, tracker), tracker:
         if spec.train:
             model.train()
             for mb in batches:
@@ -243,26 +242,38 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tracker_cls, mesh=Non
 
 @contextlib.contextmanager
 def repeated_forwards(model: nn.Module, tracker):
-    """Inside `tracker`'s context: let `FSDPMemTracker` follow several forwards of `model` (micro-batches). It
-    keeps one set of per-module statistics, so they are cleared before each forward after the first (the
-    peak so far is kept)."""
+    """Around `tracker`'s context (enter this first): let the tracker follow several forwards of `model`
+    (micro-batches). It keeps one set of per-module statistics, so they are cleared before each forward after
+    the first (the peak so far is kept). A global hook, registered before the tracker's own, runs first."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
     calls = [0]
 
     def before_forward(module: nn.Module, args: Any) -> None:
+        if module is not model:
+            return
         if calls[0]:
             tracker.reset_mod_stats()
         calls[0] += 1
 
-    handle = model.register_forward_pre_hook(before_forward, prepend=True)
+    handle = register_module_forward_pre_hook(before_forward)
     try:
         yield
     finally:
         handle.remove()
 
 
+# A plain module on one rank holds what would be its shards: named as FSDPMemTracker names them, so that the
+# same phase reads the same at every world size.
+_AS_SHARDS = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
+
+
 def _peak(tracker) -> dict[str, int]:
     [snapshot] = tracker.get_tracker_snapshot("peak").values() or [{}]
-    return {getattr(k, "value", k): int(v) for k, v in snapshot.items() if int(v)}
+    peak = {getattr(k, "value", k): int(v) for k, v in snapshot.items() if int(v)}
+    if isinstance(tracker, _PlainMemTracker):
+        peak = {_AS_SHARDS.get(k, k): v for k, v in peak.items()}
+    return peak
 
 
 @contextlib.contextmanager
@@ -285,15 +296,14 @@ def _fake_world(world: int):
 def trace_fake(spec: PassSpec, optim_cfg: Any = None) -> dict[str, int]:
     """The peak of `spec` on one of its `world` ranks, by category, counted on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
     if spec.logits_positions is not None:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            return _run(_build(spec), spec, optim_cfg, None)
+            return _run(_build(spec), spec, optim_cfg)
     with _fake_world(spec.world) as mesh, FakeTensorMode(allow_non_fake_inputs=True):  # the mesh is real
         model = _shard(_build(spec), spec, mesh)
-        return _run(model, spec, optim_cfg, FSDPMemTracker, mesh)
+        return _run(model, spec, optim_cfg)
 
 
 def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
@@ -303,8 +313,6 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
     `compute_values`, `update_policy` or `update_critic` on `spec`'s shapes. Rows are left-padded by one token
     as real prompts are (without remove-padding, that makes transformers build its attention mask, as in a
     real run). An update is counted on its second step, when AdamW's moments exist."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     from hflow.protocol import DataProto
     from hflow.utils import fsdp_utils
     from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic
@@ -351,7 +359,35 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
                else (lambda: actor.compute_log_prob(data, calculate_entropy=spec.entropy)))
     if spec.train:
         run()  # creates AdamW's moments
-    tracker = FSDPMemTracker(model, optimizer)
-    with tracker, repeated_forwards(model, tracker):
+    tracker = _tracker(model, optimizer, [batch])
+    with repeated_forwards(model, tracker), tracker:
         run()
     return _peak(tracker)
+
+
+def _tracker(model: nn.Module, optimizer, inputs):
+    """The tracker for `model` as `apply_fsdp2` left it: `FSDPMemTracker` for an FSDP2 model, torch's plain
+    `MemTracker` for a model left unsharded on a mesh of one (its categories: params, grads, ...)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._pytree import tree_leaves
+
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(tuple(inputs))
+        return tracker
+    tracker = _PlainMemTracker()
+    tensors = [t for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []), *tensors)
+    return tracker
+
+
+
+class _PlainMemTracker(MemTracker):
+    """torch's `MemTracker` hooks the gradient of every parameter of each module it enters, which a frozen one
+    (a reference model, a LoRA base weight) refuses: a module holding any such is not hooked, and its
+    trainable leaves (LoRA's adapters) are when entered themselves."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        trainable = all(p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)

@@ -203,11 +203,21 @@ class FSDPCheckpointManager:
             if hasattr(self.sharded_state[name], "reset"):
                 self.sharded_state[name].reset()
         extra_path = found / f"extra_rank_{_rank()}.pt"
+        own = extra_path.exists()
+        if not own:  # a checkpoint of fewer ranks (DCP reshards the tensors; this is the rest)
+            extra_path = found / "extra_rank_0.pt"
         if "extra" not in self.contents or not extra_path.exists():
             return {}
         extra = torch.load(extra_path, weights_only=True)
+        # The step and the learning-rate schedule are the same on every rank; a rank without a file of its own
+        # takes rank 0's, or it would step its shards at another rate than the others'.
         if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if not own:
+            # Random streams are each rank's own: a copy of rank 0's would sample what rank 0 samples.
+            logger.warning("checkpoint %s has no state of rank %d (saved by fewer ranks): its random streams "
+                           "start afresh", found, _rank())
+            return extra
         set_rng_state(extra["rng"])
         for name, obj in self.stateful.items():
             if name in extra.get("stateful", {}):

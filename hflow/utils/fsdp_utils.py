@@ -1,4 +1,5 @@
-"""Building, sharding and moving the models that the training workers own (FSDP2 only).
+"""Building, sharding and moving the models that the training workers own (FSDP2; on one rank, where
+FSDP2 would have nothing to do, the plain module: see `apply_fsdp2`).
 
 A worker builds its model in four steps, the same on an 8-GPU node and on a CPU machine:
 
@@ -520,6 +521,21 @@ def _resolve_gather_once(model: nn.Module, setting: bool | None, mp_policy: Mixe
     return fits
 
 
+def nothing_for_fsdp_to_do(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
+                           fp32_modules: Iterable[nn.Module] = (), cpu_offload: bool = False) -> bool:
+    """Whether FSDP2 would neither shard (a mesh of one rank), nor keep the weights on the host
+    (`shards_on_host`), nor cast them: every weight computed in the dtype it is stored in (the
+    `fp32_modules` in fp32) and the outputs returned as computed. `apply_fsdp2` then leaves `model` plain."""
+    if mesh.size() != 1 or shards_on_host(cpu_offload):
+        return False
+    in_fp32 = {id(p) for module in fp32_modules for p in module.parameters()}
+    for param in model.parameters():
+        wanted = torch.float32 if id(param) in in_fp32 else (policy.param_dtype or param.dtype)
+        if param.is_floating_point() and wanted != param.dtype:
+            return False
+    return policy.output_dtype is None or all(p.dtype == policy.output_dtype for p in model.parameters())
+
+
 def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     """A module's tensor output that is a view (of the (B x T, labels) result of a biased Linear's addmm)
     -> a copy of its own; anything else unchanged.
@@ -543,9 +559,16 @@ def apply_fsdp2(
     cpu_offload: bool = False,
     fp32_modules: Iterable[nn.Module] = (),
     gather_once_per_pass: bool | None = None,
+    fsdp_on_one_rank: bool = False,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
     takes what is left (embeddings, final norm, LM / value head). Returns the same object.
+
+    On a mesh of one rank FSDP2 has nothing to shard: it would only copy each unit's weights into a
+    gathered buffer before its forward and back after, through DTensor's dispatch. Unless it has something else
+    to do there -- cast the weights (mixed precision, an fp32 head), keep them on the host (`cpu_offload`)
+    -- the model is left a plain module on the device (`fsdp_on_one_rank=True` wraps it anyway). Every
+    helper here takes either.
 
     Each of `fp32_modules` (a critic's value head) becomes a unit of its own that computes in fp32
     whatever the mixed precision: its bf16 input is cast up and its output is not rounded to bf16,
@@ -561,6 +584,14 @@ def apply_fsdp2(
     `offload_*` / `load_*` helpers below, which would move that state back to the device.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
+    fp32_modules = list(fp32_modules)
+    if not fsdp_on_one_rank and nothing_for_fsdp_to_do(model, mesh, kwargs["mp_policy"], fp32_modules, cpu_offload):
+        # where FSDP2 would have put it (a fake-tensor trace's mesh is on the host whatever the machine)
+        target = device.get_device() if mesh.device_type == device.get_device().type else torch.device(mesh.device_type)
+        if any(t.device != target for t in (*model.parameters(), *model.buffers())):
+            model.to(target)
+        model._hflow_reshard_after_forward, model._hflow_gather_once_per_pass = [], False
+        return model
     gather_once_per_pass = _resolve_gather_once(model, gather_once_per_pass, kwargs["mp_policy"])
     kwargs["offload_policy"] = CPUOffloadPolicy() if shards_on_host(cpu_offload) else OffloadPolicy()
     units: list[tuple[nn.Module, bool]] = []

@@ -1,4 +1,10 @@
-"""Sharded checkpoints (DCP) of an FSDP2 model: exact round trips, and saves that die half-way."""
+"""Sharded checkpoints (DCP) of an FSDP2 model: exact round trips, saves that die half-way, and runs resumed
+on another number of ranks (one rank holds a plain module, two hold FSDP2 shards)."""
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +132,52 @@ def test_a_checkpoint_that_would_run_code_is_refused(model_dir, world_of_one, tm
     torch.save({"rng": RunsCode()}, final / "extra_rank_0.pt")
     with pytest.raises(Exception, match="Weights only load failed"):
         manager.load_checkpoint(final)
+
+
+def _resume_on_two_ranks(rank, port, model_dir, root):
+    """Rank `rank` of two: resume the one-rank checkpoint `root/one`, save it as `root/two` (the same
+    state, in two ranks' shards), take the next two steps and write the full weights."""
+    import torch.distributed as dist
+
+    os.environ.update(HFLOW_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        model, optimizer, scheduler = make_state(model_dir, fsdp_utils.build_device_mesh(2))
+        manager = FSDPCheckpointManager(model, optimizer, scheduler)
+        assert manager.load_checkpoint(Path(root) / "one")["global_step"] == 1
+        manager.save_checkpoint(Path(root) / "two", global_step=1)
+        for seed in (1, 2):  # the second step's rate is the resumed scheduler's (the first is the optimizer's)
+            train_step(model, optimizer, scheduler, seed=seed)
+        params = full_params(model)
+        if rank == 0:
+            torch.save(params, Path(root) / "two_ranks_next_step.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_resumes_on_another_number_of_ranks(model_dir, world_of_one, tmp_path):
+    # one rank (a plain module) -> two ranks (FSDP2) -> one rank: each continues as the run would have
+    model, optimizer, scheduler = make_state(model_dir, world_of_one)
+    assert not isinstance(model, torch.distributed.fsdp.FSDPModule)
+    manager = FSDPCheckpointManager(model, optimizer, scheduler)
+    for seed in range(2):  # the scheduler's rate moves with its step: a rank that lost it drifts
+        train_step(model, optimizer, scheduler, seed=10 + seed)
+    manager.save_checkpoint(tmp_path / "one", global_step=1)
+    for seed in (1, 2):
+        train_step(model, optimizer, scheduler, seed=seed)
+    uninterrupted = full_params(model)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_resume_on_two_ranks, args=(port, str(model_dir), str(tmp_path)), nprocs=2)
+
+    two_ranks = torch.load(tmp_path / "two_ranks_next_step.pt")
+    assert two_ranks.keys() == uninterrupted.keys()
+    for name, tensor in two_ranks.items():
+        torch.testing.assert_close(tensor, uninterrupted[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert manager.load_checkpoint(tmp_path / "two")["global_step"] == 1
+    for seed in (1, 2):
+        train_step(model, optimizer, scheduler, seed=seed)
+    for name, tensor in full_params(model).items():
+        torch.testing.assert_close(tensor, uninterrupted[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -3,7 +3,9 @@ clipping, offloading, optimizer and LR schedule.
 
 FSDP2 runs here on a process group of one (in this process, on this machine's device); the two-rank
 gather and the global gradient norm are covered by `tests/workers/test_dp_actor.py`, whose two-rank
-run exports its parameters with `iter_full_params` and compares them with a one-process run.
+run exports its parameters with `iter_full_params` and compares them with a one-process run. On one rank,
+with nothing to cast, `apply_fsdp2` leaves the model plain: the tests of FSDP2's own behaviour here ask it
+to wrap anyway (`apply_fsdp2` below); the tests of that choice call `fsdp_utils.apply_fsdp2`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from hflow.config_schema import default_config
-from hflow.utils import device
+from hflow.utils import device, fsdp_utils
 from hflow.utils.fsdp_utils import (
-    apply_fsdp2,
     build_device_mesh,
     build_lr_scheduler,
     build_optimizer,
@@ -47,6 +48,11 @@ from hflow.utils.fsdp_utils import (
     reshard_fsdp_model,
     weights_from_rank0,
 )
+
+def apply_fsdp2(model, mesh, **kwargs):
+    """FSDP2 even on the one-rank mesh of these tests (see the module's docstring)."""
+    return fsdp_utils.apply_fsdp2(model, mesh, fsdp_on_one_rank=True, **kwargs)
+
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 
@@ -138,6 +144,63 @@ def test_apply_fsdp2_shards_every_decoder_layer_and_the_root(model_dir: Path, me
     assert isinstance(model, FSDPModule)
     assert all(isinstance(layer, FSDPModule) for layer in model.model.layers)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_one_rank_with_nothing_to_cast_is_a_plain_module_that_trains_as_fsdp2_does(model_dir: Path, mesh):
+    plain = fsdp_utils.apply_fsdp2(load_causal_lm(str(model_dir)), mesh)  # fp32 weights, fp32 compute
+    assert not isinstance(plain, FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in plain.parameters())
+    assert {p.device.type for p in plain.parameters()} == {device.get_device().type}
+    wrapped = apply_fsdp2(load_causal_lm(str(model_dir)), mesh)
+    outputs = {}
+    for name, model in (("plain", plain), ("wrapped", wrapped)):
+        optimizer = build_optimizer(model.parameters(), optim_config(lr=0.01))
+        for _ in range(2):
+            model(**inputs()).logits.square().mean().backward()
+            norm = clip_grad_norm_and_step(model, optimizer, max_norm=1.0)
+        with no_grad_pass(model):
+            logits = model(**inputs()).logits
+        outputs[name] = (norm, logits, dict(iter_full_params(model)))
+    (norm, logits, params), (norm_w, logits_w, params_w) = outputs["plain"], outputs["wrapped"]
+    assert norm == pytest.approx(norm_w, rel=1e-5)
+    torch.testing.assert_close(logits, logits_w, atol=1e-5, rtol=1e-5)
+    assert params.keys() == params_w.keys()
+    for name in params:
+        torch.testing.assert_close(params[name], params_w[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+class _Mesh:
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def size(self) -> int:
+        return self.ranks
+
+
+def test_fsdp2_stays_wherever_it_shards_casts_or_offloads(model_dir: Path, monkeypatch):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = load_causal_lm(str(model_dir))
+    fp32, bf16 = MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32)
+    # a reduce dtype alone casts nothing on one rank: there is no reduction
+    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(2), fp32)  # shards
+    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), bf16)  # casts the weights
+    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    # a bf16 model's fp32 head (a critic's) is computed in fp32 by FSDP2
+    model_bf16 = load_causal_lm(str(model_dir), dtype=torch.bfloat16)
+    assert fsdp_utils.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32)
+    assert not fsdp_utils.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32, fp32_modules=[model_bf16.lm_head])
+    # shards kept on the host of a GPU machine (FSDP2's CPUOffloadPolicy)
+    monkeypatch.setattr(device, "is_cuda", lambda: True)
+    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=True)
+    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=False)
+
+
+def test_one_rank_that_casts_is_still_wrapped(model_dir: Path, mesh):
+    model = fsdp_utils.apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param_dtype": "bf16"})
+    assert isinstance(model, FSDPModule)
 
 
 @pytest.mark.parametrize("tied", [False, True])

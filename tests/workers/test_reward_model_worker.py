@@ -95,7 +95,7 @@ def test_retokenizes_with_the_reward_models_own_chat_template(folders, world_of_
     torch.testing.assert_close(rm_scores[0].sum(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_root_is_resharded_after_scoring(folders, world_of_one):
+def test_root_is_resharded_after_scoring(folders, world_of_one, fsdp_on_one_rank):
     """No backward follows the forward, so the worker frees the gathered root itself: afterwards every
     parameter is a shard again (a full copy would otherwise sit on the device until the next call)."""
     worker = make_worker(folders["rm"])

@@ -289,10 +289,15 @@ def test_preflight_stops_bad_settings_before_any_model_loads(tmp_path, ptx_file,
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {clean_param_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {clean_param_name(n): _full(p).detach().clone() for n, p in model.named_parameters()}
 
 
-def test_ema_after_k_steps_is_the_closed_form_of_the_parameter_history(world_of_one, tiny_model_dir):
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter or EMA average whole: gathered from its shards, or as it is on a one-rank plain module."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def test_ema_after_k_steps_is_the_closed_form_of_the_parameter_history(world_of_one, tiny_model_dir, fsdp_on_one_rank):
     decay, k = 0.6, 3
     model = apply_fsdp2(load_causal_lm(str(tiny_model_dir)), world_of_one)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -341,7 +346,7 @@ def test_a_checkpoint_without_an_ema_restarts_it_from_the_loaded_weights(world_o
     saved = apply_fsdp2(load_causal_lm(str(tiny_model_dir)), world_of_one)
     with torch.no_grad():
         for param in saved.parameters():
-            param.to_local().add_(0.01)
+            param.add_(0.01)
     FSDPCheckpointManager(saved, contents=["model"]).save_checkpoint(tmp_path / "plain")
 
     model = apply_fsdp2(load_causal_lm(str(tiny_model_dir)), world_of_one)
@@ -349,7 +354,7 @@ def test_a_checkpoint_without_an_ema_restarts_it_from_the_loaded_weights(world_o
     FSDPCheckpointManager(model, contents=["model"], sharded_state={"ema": ema}).load_checkpoint(tmp_path / "plain")
     loaded = full_params(model)
     for name, average in ema.state_dict().items():
-        assert torch.equal(average.full_tensor(), loaded[name]), name
+        assert torch.equal(_full(average), loaded[name]), name
 
 
 def actor_worker_config(model_dir: Path, ptx_file: Path, *extra: str):
@@ -386,7 +391,7 @@ def test_actor_worker_checkpoints_resumes_and_exports_its_ema(world_of_one, tiny
 
     ckpt = tmp_path / "global_step_1" / "actor"
     worker.save_checkpoint(str(ckpt), global_step=1)
-    ema_at_save = {name: t.full_tensor().clone() for name, t in worker.actor_ema.state_dict().items()}
+    ema_at_save = {name: _full(t).clone() for name, t in worker.actor_ema.state_dict().items()}
     actor_at_save = full_params(worker.actor_module)
 
     # the export: a Hugging Face folder that transformers loads as it is, holding the EMA weights
@@ -403,10 +408,10 @@ def test_actor_worker_checkpoints_resumes_and_exports_its_ema(world_of_one, tiny
 
     # resume: another step moves weights and EMA on; loading the checkpoint brings both back
     worker.update_actor(ppo_batch(2, seed=3))
-    assert not all(torch.equal(worker.actor_ema.state_dict()[n].full_tensor(), ema_at_save[n]) for n in ema_at_save)
+    assert not all(torch.equal(_full(worker.actor_ema.state_dict()[n]), ema_at_save[n]) for n in ema_at_save)
     worker.load_checkpoint(str(ckpt))
     for name, average in worker.actor_ema.state_dict().items():
-        assert torch.equal(average.full_tensor(), ema_at_save[name]), name
+        assert torch.equal(_full(average), ema_at_save[name]), name
     assert all(torch.equal(t, actor_at_save[n]) for n, t in full_params(worker.actor_module).items())
 
 

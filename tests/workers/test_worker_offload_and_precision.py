@@ -79,7 +79,7 @@ def offload_calls(monkeypatch) -> list[tuple[str, torch.nn.Module]]:
 # ------------------------------------------------------------------ ref.fsdp_config.param_offload
 
 
-def test_ref_param_offload_brackets_compute_ref_log_prob(model_path, world_of_one, offload_calls):
+def test_ref_param_offload_brackets_compute_ref_log_prob(model_path, world_of_one, offload_calls, fsdp_on_one_rank):
     config = make_config(model_path, "actor_rollout_ref.ref.fsdp_config.param_offload=true")
     worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
     worker.init_model()
