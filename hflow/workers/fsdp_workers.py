@@ -14,7 +14,6 @@ methods use `ONE_TO_ALL`.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 
@@ -67,6 +66,17 @@ def engine_info_of(rollout, context, hf_config) -> dict[str, int]:
     and how many rows of the input embedding it holds (the padded vocabulary / TP when sharded)."""
     return {**rollout.parallel_layout(), "tp_rank": context.tp_rank, "dp_rank": context.dp_rank,
             "vocab_size": int(hf_config.get_text_config().vocab_size)}
+
+
+def eager_on_cpu() -> None:
+    """Run vLLM's sampler helpers eagerly in this CPU worker. It would `torch.compile` them with g++ on first use
+    (seconds on every worker, and a compiler the machine may lack) for no lasting gain on CPU (issue 26's probe:
+    1.02x). `TORCHDYNAMO_DISABLE=1` cannot do it here: it is read when torch._dynamo is imported, which the FSDP
+    imports did long before; the flag it sets is set instead. Decided in the worker, the one that knows its
+    device."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 def _memory_metrics() -> dict[str, float]:
@@ -303,9 +313,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             self.sharding_manager = BaseShardingManager()
             return
         if not device.is_cuda():
-            # vLLM's sampler torch.compiles a helper with g++ at import (seconds, on every worker); on
-            # CPU eager is as fast. Decided here because only the worker knows its device.
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+            eager_on_cpu()
         from hflow.workers.rollout import vLLMRollout
         from hflow.workers.sharding_manager import FSDPVLLMShardingManager
 

@@ -47,8 +47,6 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        import os
-
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoConfig, GenerationConfig
 
@@ -66,7 +64,9 @@ class RolloutWorker(Worker):
         tp = int(rollout_cfg.tensor_model_parallel_size)
         mesh = init_device_mesh(device.device_name(), (self.world_size // tp, tp), mesh_dim_names=("dp", "infer_tp"))
         if not device.is_cuda():
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # see ActorRolloutRefWorker._build_rollout
+            from hflow.workers.fsdp_workers import eager_on_cpu
+
+            eager_on_cpu()
         from hflow.workers.rollout import vLLMRollout
         from hflow.workers.rollout.vllm_rollout import tensor_parallel_agreement
         from hflow.workers.sharding_manager import VLLMGenerationContext
