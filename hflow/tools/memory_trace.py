@@ -382,7 +382,6 @@ def _tracker(model: nn.Module, optimizer, inputs):
     return tracker
 
 
-
 class _PlainMemTracker(MemTracker):
     """torch's `MemTracker` hooks the gradient of every parameter of each module it enters, which a frozen one
     (a reference model, a LoRA base weight) refuses: a module holding any such is not hooked, and its

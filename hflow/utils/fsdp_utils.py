@@ -586,11 +586,11 @@ def apply_fsdp2(
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
     fp32_modules = list(fp32_modules)
     if not fsdp_on_one_rank and nothing_for_fsdp_to_do(model, mesh, kwargs["mp_policy"], fp32_modules, cpu_offload):
-        # where FSDP2 would have put it (a fake-tensor trace's mesh is on the host whatever the machine)
+        # Where FSDP2 would have put it (a fake-tensor trace's mesh is on the host whatever the machine); moved
+        # only when elsewhere, as `.to` cannot swap a fake tensor's storage.
         target = device.get_device() if mesh.device_type == device.get_device().type else torch.device(mesh.device_type)
         if any(t.device != target for t in (*model.parameters(), *model.buffers())):
             model.to(target)
-        model._hflow_reshard_after_forward, model._hflow_gather_once_per_pass = [], False
         return model
     gather_once_per_pass = _resolve_gather_once(model, gather_once_per_pass, kwargs["mp_policy"])
     kwargs["offload_policy"] = CPUOffloadPolicy() if shards_on_host(cpu_offload) else OffloadPolicy()

@@ -68,17 +68,6 @@ def engine_info_of(rollout, context, hf_config) -> dict[str, int]:
             "vocab_size": int(hf_config.get_text_config().vocab_size)}
 
 
-def eager_on_cpu() -> None:
-    """Run vLLM's sampler helpers eagerly in this CPU worker. It would `torch.compile` them with g++ on first use
-    (seconds on every worker, and a compiler the machine may lack) for no lasting gain on CPU (issue 26's probe:
-    1.02x). `TORCHDYNAMO_DISABLE=1` cannot do it here: it is read when torch._dynamo is imported, which the FSDP
-    imports did long before; the flag it sets is set instead. Decided in the worker, the one that knows its
-    device."""
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
-
-
 def _memory_metrics() -> dict[str, float]:
     return {"perf/max_memory_allocated_gb": device.max_memory_allocated_gib()}
 
@@ -312,8 +301,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             self.rollout = HFRollout(self.actor_module, rollout_cfg, self.tokenizer)
             self.sharding_manager = BaseShardingManager()
             return
-        if not device.is_cuda():
-            eager_on_cpu()
         from hflow.workers.rollout import vLLMRollout
         from hflow.workers.sharding_manager import FSDPVLLMShardingManager
 

@@ -63,7 +63,7 @@ class VLLMJudge:
     def __init__(self, model_path: str, judge: DictConfig, seed: int = 0) -> None:
         from transformers import AutoConfig
 
-        from hflow.workers.rollout.vllm_rollout import LLM, _preserve_host_state, vLLMRollout
+        from hflow.workers.rollout.vllm_rollout import new_engine, vLLMRollout
 
         self.judge = judge
         self.max_prompt_length = int(judge.max_prompt_length)
@@ -83,8 +83,7 @@ class VLLMJudge:
         OmegaConf.update(config, "engine_kwargs.vllm", OmegaConf.to_container(judge.engine_kwargs), merge=False)
         kwargs = vLLMRollout._engine_kwargs(model_path, config, AutoConfig.from_pretrained(model_path), None)
         started = time.perf_counter()
-        with _preserve_host_state():
-            self.llm = LLM(**kwargs)
+        self.llm = new_engine(kwargs)
         logger.info("judge vLLM engine ready in %.1fs", time.perf_counter() - started)
         self.tokenizer = self.llm.get_tokenizer()
         self.sleep()

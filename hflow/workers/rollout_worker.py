@@ -63,10 +63,6 @@ class RolloutWorker(Worker):
             self.generation_config = None
         tp = int(rollout_cfg.tensor_model_parallel_size)
         mesh = init_device_mesh(device.device_name(), (self.world_size // tp, tp), mesh_dim_names=("dp", "infer_tp"))
-        if not device.is_cuda():
-            from hflow.workers.fsdp_workers import eager_on_cpu
-
-            eager_on_cpu()
         from hflow.workers.rollout import vLLMRollout
         from hflow.workers.rollout.vllm_rollout import tensor_parallel_agreement
         from hflow.workers.sharding_manager import VLLMGenerationContext

@@ -96,8 +96,7 @@ class vLLMRollout(BaseRollout):
         if not is_cuda() and int(config.tensor_model_parallel_size) > 1:
             _remove_stale_cpu_shared_memory()
         started = time.perf_counter()
-        with _preserve_host_state():
-            self.llm = LLM(**engine_kwargs)
+        self.llm = new_engine(engine_kwargs)
         self.init_s = time.perf_counter() - started
         self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
         backend = engine_kwargs["distributed_executor_backend"] or "in-process"
@@ -476,6 +475,25 @@ def _plain_dict(value: Any) -> dict[str, Any]:
     if isinstance(value, DictConfig):
         return OmegaConf.to_container(value, resolve=True)
     return dict(value)
+
+
+def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
+    """An in-process vLLM engine (the rollout's and the generative judge's), without its side effects on the
+    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`)."""
+    if not is_cuda():
+        eager_on_cpu()
+    with _preserve_host_state():
+        return LLM(**engine_kwargs)
+
+
+def eager_on_cpu() -> None:
+    """Run vLLM's sampler helpers eagerly in this CPU process. It would `torch.compile` them with g++ on first
+    use (seconds in every worker, and a compiler the machine may lack) for no lasting gain on CPU (issue 26's
+    probe: 1.02x). `TORCHDYNAMO_DISABLE=1` cannot do it here: it is read when torch._dynamo is imported, which
+    the FSDP imports did long before; the flag it sets is set instead."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 @contextmanager
