@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hflow.algorithms import core_algos as ca
+from tests.ranks import spawn_ranks
 
 EPS = 1e-6
 
@@ -579,7 +579,7 @@ def test_global_batch_info_from_mask_all_reduces_across_ranks():
     expected = ca.GlobalBatchInfo.from_mask(batch["mask"])
     full = _grad(VANILLA_LOSS, batch, "token-mean", 1, None)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dp_worker, args=(2, tmp), nprocs=2)
+        spawn_ranks(_dp_worker, 2, 2, tmp)
         for rank in range(2):
             info, grad = torch.load(f"{tmp}/rank{rank}.pt", weights_only=False)
             assert info == ca.GlobalBatchInfo(expected.num_tokens, expected.num_seqs, dp_size=2)

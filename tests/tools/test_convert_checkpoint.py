@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from hflow.tasks.tiny_models import build_causal_lm
 from hflow.tools.convert_checkpoint import CheckpointError, convert_checkpoint, main, verify_conversion
+from tests.ranks import free_port, spawn_ranks
 
 WORLD = 2
 LORA_RANK, LORA_ALPHA = 8, 16
@@ -111,16 +112,10 @@ def _save_main(rank: int, port: int, model_dirs: dict[str, str], out: str) -> No
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    import socket
-
     root = tmp_path_factory.mktemp("convert")
     model_dirs = {"lora": build_causal_lm(root / "qwen2-tied", tie_word_embeddings=True),
                   "full": build_causal_lm(root / "llama", arch="llama")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_save_main, args=(port, {k: str(v) for k, v in model_dirs.items()}, str(root)),
-                                nprocs=WORLD)
+    spawn_ranks(_save_main, WORLD, free_port(), {k: str(v) for k, v in model_dirs.items()}, str(root))
     return root
 
 

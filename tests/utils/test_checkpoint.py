@@ -2,7 +2,6 @@
 on another number of ranks (one rank holds a plain module, two hold FSDP2 shards)."""
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from hflow.utils import fsdp_utils
 from hflow.utils.checkpoint import FSDPCheckpointManager, resolve_checkpoint
 from hflow.tasks.tiny_models import build_causal_lm
+from tests.ranks import free_port, spawn_ranks
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +167,7 @@ def test_a_run_resumes_on_another_number_of_ranks(model_dir, world_of_one, tmp_p
     for seed in (1, 2):
         train_step(model, optimizer, scheduler, seed=seed)
     uninterrupted = full_params(model)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_resume_on_two_ranks, args=(port, str(model_dir), str(tmp_path)), nprocs=2)
+    spawn_ranks(_resume_on_two_ranks, 2, free_port(), str(model_dir), str(tmp_path))
 
     two_ranks = torch.load(tmp_path / "two_ranks_next_step.pt")
     assert two_ranks.keys() == uninterrupted.keys()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,6 +47,8 @@ from hflow.utils.fsdp_utils import (
     reshard_fsdp_model,
     weights_from_rank0,
 )
+from tests.ranks import free_port, spawn_ranks
+
 
 def apply_fsdp2(model, mesh, **kwargs):
     """FSDP2 even on the one-rank mesh of these tests (see the module's docstring)."""
@@ -396,12 +397,6 @@ def test_rank0_loading_with_one_rank_loads_and_shards_as_before(model_dir: Path,
         torch.testing.assert_close(tensor.full_tensor().cpu(), expected[name], atol=0, rtol=0, msg=name)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _init_world(rank: int, world_size: int, port: int):
     os.environ["HFLOW_DEVICE"] = "cpu"
     torch.set_num_threads(1)
@@ -463,9 +458,7 @@ def test_rank0_loading_gives_every_rank_the_model_each_rank_would_have_loaded(tm
     reward_config = Qwen2Config(vocab_size=100, max_position_embeddings=64, num_labels=1, pad_token_id=0, **SHAPE)
     Qwen2ForSequenceClassification(reward_config).save_pretrained(tmp_path / "reward")
     paths = {"untied": untied, "tied": tied, "value": untied, "reward": tmp_path / "reward"}
-    torch.multiprocessing.spawn(
-        _compare_rank0_loading_main, args=(2, free_port(), {k: str(v) for k, v in paths.items()}), nprocs=2
-    )
+    spawn_ranks(_compare_rank0_loading_main, 2, 2, free_port(), {k: str(v) for k, v in paths.items()})
 
 
 @pytest.fixture
@@ -591,7 +584,7 @@ def test_rank1_host_memory_during_model_setup_is_its_shard_plus_one_tensor(tmp_p
     # on its heap after frees (here rank 1's peak then varies between +102 and +119 MiB). A fixed
     # threshold makes the peak measure the tensors the code keeps alive, not what the allocator caches.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-    torch.multiprocessing.spawn(_rss_main, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2)
+    spawn_ranks(_rss_main, 2, 2, free_port(), str(path), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     mib = 2**20
     report = (f"model {model_bytes / mib:.1f} MiB (largest tensor {largest_bytes / mib:.1f} MiB); peak RSS growth: "

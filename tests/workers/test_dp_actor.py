@@ -4,7 +4,6 @@ the mini-batch is cut (micro-batches, token budget, number of ranks)."""
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from hflow.utils.seqlen_balancing import rearrange_micro_batches
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.config import resolved_copy
+from tests.ranks import free_port, spawn_ranks
 
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 6, 5, 100
 LR = 0.5  # plain SGD: parameter changes are proportional to the gradient, so any mis-scaling shows
@@ -253,12 +253,6 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, workdir: 
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path):
     data = make_batch(GLOBAL_N, seed=11)
     add_old_log_probs(DataParallelPPOActor(actor_config(), load_causal_lm(str(model_dir))), data, noise=0.3)
@@ -267,7 +261,7 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path):
     own_counts = [len(rearrange_micro_batches(data.batch[rank_rows(r, 2)][:4], TOKEN_BUDGET)[0]) for r in range(2)]
     assert own_counts[0] != own_counts[1], own_counts
 
-    torch.multiprocessing.spawn(_rank_main, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    spawn_ranks(_rank_main, 2, 2, free_port(), str(model_dir), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     initial = load_causal_lm(str(model_dir)).state_dict()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.config import ConfigError, check_value_head, resolved_copy
 from hflow.workers.critic import DataParallelPPOCritic
+from tests.ranks import free_port, spawn_ranks
 
 PROMPT_LEN, RESPONSE_LEN = 5, 4
 PTX_MAX_LENGTH = 24
@@ -214,11 +214,7 @@ def _two_rank_main(rank: int, world_size: int, port: int, model_path: str, ptx_p
 @pytest.fixture(scope="module")
 def two_rank_run(odd_model_dir, ptx_file, tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("two_ranks")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_two_rank_main, nprocs=2,
-                                args=(2, port, str(odd_model_dir), str(ptx_file), str(workdir)))
+    spawn_ranks(_two_rank_main, 2, 2, free_port(), str(odd_model_dir), str(ptx_file), str(workdir))
     return workdir
 
 
