@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import glob
 import logging
 import os
@@ -482,6 +483,11 @@ def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
     process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`)."""
     if not is_cuda():
         eager_on_cpu()
+    # vLLM freezes the process's GC heap at the end of its init (`gc.freeze`: those objects are never scanned
+    # again), after several full collections on the way, each a pass over every object the worker holds.
+    # Freezing first leaves the same heap frozen and makes those passes cover only the engine's new objects.
+    gc.collect()
+    gc.freeze()
     with _preserve_host_state():
         return LLM(**engine_kwargs)
 
