@@ -34,18 +34,14 @@ def ray_session():
 @pytest.fixture(scope="module")
 def world_of_one():
     """A torch.distributed group of one process (what FSDP2 and DCP need), torn down after the module."""
-    import socket
-
     import torch.distributed as dist
 
     from hflow.utils import device
     from hflow.utils.fsdp_utils import build_device_mesh
+    from tests.ranks import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     device.set_device()
-    dist.init_process_group(device.dist_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(device.dist_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield build_device_mesh(1)
     dist.destroy_process_group()
 

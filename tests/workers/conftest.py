@@ -24,14 +24,11 @@ def tiny_tokenizer(tiny_model_dir: Path):
 def world():
     """A gloo world of one, initialised before a module's in-process vLLM engines (which would otherwise
     create their own); vLLM's groups and the default one are cleaned up after the module."""
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from tests.ranks import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
