@@ -36,13 +36,9 @@ def child(arm: str, run_dir: str) -> None:
 
     from hflow.workers.rollout import vllm_rollout
 
-    def without_freeze(engine_kwargs):  # new_engine before the freeze, line for line
-        if not vllm_rollout.is_cuda():
-            vllm_rollout.eager_on_cpu()
-        with vllm_rollout._preserve_host_state():
-            return vllm_rollout.LLM(**engine_kwargs)
-
-    build = {"vllm-alone": without_freeze, "frozen-first": vllm_rollout.new_engine}[arm]
+    if arm == "vllm-alone":  # new_engine with its one difference undone
+        vllm_rollout.freeze_gc_heap = lambda: None
+    build = vllm_rollout.new_engine
 
     def timed(engine_kwargs):
         print(f"{OBJECTS}{len(gc.get_objects())}", file=sys.stderr, flush=True)  # what a full collection walks

@@ -483,13 +483,18 @@ def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
     process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`)."""
     if not is_cuda():
         eager_on_cpu()
-    # vLLM freezes the process's GC heap at the end of its init (`gc.freeze`: those objects are never scanned
-    # again), after several full collections on the way, each a pass over every object the worker holds.
-    # Freezing first leaves the same heap frozen and makes those passes cover only the engine's new objects.
-    gc.collect()
-    gc.freeze()
+    freeze_gc_heap()
     with _preserve_host_state():
         return LLM(**engine_kwargs)
+
+
+def freeze_gc_heap() -> None:
+    """vLLM freezes the process's GC heap at the end of its init (`gc.freeze`: those objects are never scanned
+    again), after several full collections on the way, each a pass over every object the worker holds.
+    Freezing first leaves the same heap frozen and makes those passes cover only the engine's new objects
+    (`bench/engine_build.py`)."""
+    gc.collect()
+    gc.freeze()
 
 
 def eager_on_cpu() -> None:
