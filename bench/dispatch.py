@@ -79,7 +79,7 @@ def main() -> None:
               for i in range(2)]
 
     def dispatch():
-        out = wg.echo(data)
+        out = wg.call(EchoWorker.echo, data)
         assert len(out) == args.batch
 
     def plain_actors():
@@ -96,7 +96,7 @@ def main() -> None:
     for name, fn in (("dispatch", dispatch), ("plain_actors", plain_actors), ("plain_driver", plain_driver)):
         times = timed(fn, args.rounds)
         rows[name], spread[name] = statistics.median(times), (min(times), max(times))
-    torch.testing.assert_close(wg.echo(data).batch["old_log_probs"], tensors["old_log_probs"], rtol=0, atol=0)
+    torch.testing.assert_close(wg.call(EchoWorker.echo, data).batch["old_log_probs"], tensors["old_log_probs"], rtol=0, atol=0)
 
     ratio = rows["dispatch"] / rows["plain_actors"]
     lines = [

@@ -81,7 +81,7 @@ def main() -> None:
              f"`{' '.join(['.venv/bin/python', 'bench/gameable_reward.py', *sys.argv[1:]])}` at {commit}, "
              f"{args.seeds} seeds x {args.steps} GRPO steps per reward, {meta['wall_s']} s on {meta['machine']} "
              f"(Python {meta['python']}), hedging model `{json.dumps(meta['spec'])}`.", "",
-             "`python -m hflow.tools.reward_audit` flags `any_number` on `multiple_candidates` (exit 1) and passes "
+             "`python -m hflow.reward.audit` flags `any_number` on `multiple_candidates` (exit 1) and passes "
              "`exact` (exit 0) on the task's training data. Training rows are scored by the reward; validation "
              "always by the true scorer (last number wins: the hedge \"12 or 13\" for 7 + 5 is wrong).", ""]
     for reward in REWARDS:

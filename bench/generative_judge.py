@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from hflow.config_schema import default_config  # noqa: E402
 from hflow.tasks.judge_task import ensure_judge_assets, judge_pairs  # noqa: E402
-from hflow.workers.generative_judge import VLLMJudge  # noqa: E402
+from hflow.reward.judge_worker import VLLMJudge  # noqa: E402
 
 
 def agreement(judge: VLLMJudge, pairs, with_reference: bool = True) -> dict:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from hflow.algorithms.core_algos import compute_grpo_outcome_advantage, compute_policy_loss, kl_penalty
-    from hflow.utils.reward_score.arithmetic import compute_score
+    from hflow.reward.score.arithmetic import compute_score
     from hflow.utils.torch_functional import get_response_mask, logprobs_from_logits
     from hflow.utils.flops_counter import training_flops
     from hflow.workers.rollout.vllm_rollout import CPU_DEFAULT_KV_CACHE_BYTES, _retie_lm_head

@@ -3,7 +3,7 @@
     python bench/memory_plan.py [--models builtin,smollm2] [--out bench/results/memory_plan.md]
 
 For each model and setting (batch, lengths, micro-batches, gradient checkpointing, remove-padding, world
-size) the plan (`hflow.tools.memory_plan.plan_memory`, fake tensors in a fake process group) gives, per
+size) the plan (`hflow.cli.memory_plan.plan_memory`, fake tensors in a fake process group) gives, per
 phase that torch runs, the pass's peak as the memory tracker counts it. The same tracker
 (`FSDPMemTracker`; torch's `MemTracker` where `apply_fsdp2` leaves one rank's model plain) then counts the
 real run: W gloo processes on this CPU, the model's real weights read by hflow's loader, sharded by
@@ -153,7 +153,7 @@ def _count_worker(rank: int, world: int, jobs: list[dict], port: int, out_file: 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    from hflow.tools.memory_trace import PassSpec, count_real_pass
+    from hflow.cli.memory_trace import PassSpec, count_real_pass
 
     results = []
     for job in jobs:
@@ -186,7 +186,7 @@ def check_model(name: str, model_path: str | None, rows: list, settings=None) ->
 
     from omegaconf import OmegaConf
 
-    from hflow.tools import memory_plan as mp
+    from hflow.cli import memory_plan as mp
 
     for label, world, overrides in settings or SETTINGS[name]:
         args = [*COMMON[name], *overrides, "trainer.backend=ray" if world > 1 else "trainer.backend=local",
@@ -213,7 +213,7 @@ def check_model(name: str, model_path: str | None, rows: list, settings=None) ->
 
 
 def _by_cat(phase):
-    from hflow.tools.memory_plan import _trace
+    from hflow.cli.memory_plan import _trace
 
     return _trace(phase.spec).items()
 
@@ -222,7 +222,7 @@ def qwen_plan(args: list[str]) -> tuple[str, str]:
     """The CLI's plan of Qwen2.5-7B with `args`: (the command, its output)."""
     folder = qwen_folder()
     args = [*args, f"actor_rollout_ref.model.path={folder}"]
-    command = ["python", "-m", "hflow.tools.memory_plan", "--target", "cuda", "--device-memory-gb", "80", *args]
+    command = ["python", "-m", "hflow.cli.memory_plan", "--target", "cuda", "--device-memory-gb", "80", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.perf_counter()
     result = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, text=True, capture_output=True)
@@ -234,7 +234,7 @@ def qwen_plan(args: list[str]) -> tuple[str, str]:
 def write_md(rows: list, qwen: list | None, out: Path, argv: list[str]) -> None:
     lines = ["# Memory plan vs the real run's tensors on CPU", "",
              f"Command: `{' '.join(['OMP_NUM_THREADS=1 python bench/memory_plan.py', *argv])}`", "",
-             "Plan: `hflow.tools.memory_plan.plan_memory(config, 'cpu')`, the traced part of each phase (the pass "
+             "Plan: `hflow.cli.memory_plan.plan_memory(config, 'cpu')`, the traced part of each phase (the pass "
              "on fake tensors in a fake process group of the run's world size). Counted: the same tracker "
              "(`FSDPMemTracker`; at W = 1, where `apply_fsdp2` leaves a model that nothing casts plain, torch's "
              "`MemTracker`) around hflow's `DataParallelPPOActor` / `DataParallelPPOCritic` on real "

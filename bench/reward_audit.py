@@ -4,7 +4,7 @@
 
 Writes 200 GSM8K-like rows (integer answers, negatives, thousands, decimals) and 200 MATH-like rows
 (integers, negatives, decimals, fractions, ``\\frac``, ``\\sqrt``, intervals, tuples, ``\\pi``, text), runs
-``python -m hflow.tools.reward_audit`` on each with the built-in scorers (by data_source) and writes
+``python -m hflow.reward.audit`` on each with the built-in scorers (by data_source) and writes
 ``reward_audit.md`` / ``.json`` with the command, the commit and both tables.
 """
 
@@ -98,7 +98,7 @@ def scorers_at(rev: str, folder: Path) -> str:
     """A reward file that scores with the GSM8K and MATH scorers as they were at `rev`."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("gsm8k", "math"):
-        source = subprocess.run(["git", "show", f"{rev}:hflow/utils/reward_score/{name}.py"], cwd=ROOT, check=True,
+        source = subprocess.run(["git", "show", f"{rev}:hflow/reward/score/{name}.py"], cwd=ROOT, check=True,
                                 capture_output=True, text=True).stdout
         (folder / f"{name}.py").write_text(source)
     (folder / "before_reward.py").write_text(BEFORE_WRAPPER)
@@ -106,7 +106,7 @@ def scorers_at(rev: str, folder: Path) -> str:
 
 
 def run_audit(path: Path, out: Path, reward: str | None) -> tuple[int, dict, str]:
-    command = [sys.executable, "-m", "hflow.tools.reward_audit", "--data", str(path), "--out", str(out)]
+    command = [sys.executable, "-m", "hflow.reward.audit", "--data", str(path), "--out", str(out)]
     proc = subprocess.run(command + (["--reward", reward] if reward else []), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         sys.exit(proc.stderr)
@@ -117,7 +117,7 @@ NOTES = """What the audit found before (at the --before commit) and what changed
 
 - GSM8K paid for several answers: `#### 264 or 265` (the first number after the marker counted) and one
   `####` per candidate (the last marker counted). Now a marker followed by more digits on its line, or markers
-  with different numbers, earn `format_score`. `tests/utils/test_reward_score.py` changed with it: "First guess
+  with different numbers, earn `format_score`. `tests/reward/test_score.py` changed with it: "First guess
   #### 10, corrected: #### 72" scored 1 and now scores 0 (two different answers).
 - GSM8K rejected `#### 1/2` (and `\\frac{1}{2}`) for a ground truth of 0.5; it now compares fractions by value.
 - MATH paid for one `\\boxed{}` per candidate (the last box counted); several different boxed answers now score 0.
@@ -143,7 +143,7 @@ def main() -> None:
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="reward_audit_"))
     data_dir.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "hflow/utils/reward_score"], cwd=ROOT, capture_output=True,
+    dirty = subprocess.run(["git", "status", "--porcelain", "hflow/reward/score"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     before = scorers_at(args.before, data_dir / "before") if args.before else None
     sections, results = [], {}
@@ -158,8 +158,8 @@ def main() -> None:
             sections.append(f"## {name}, {label}: {what} (exit status {code})\n\n{table}")
     header = (f"# Reward audit of the built-in GSM8K and MATH scorers\n\n"
               f"`.venv/bin/python bench/reward_audit.py --rows {args.rows} --before {args.before}` at commit "
-              f"{commit}{' (with uncommitted changes in hflow/utils/reward_score)' if dirty else ''}: {args.rows} "
-              "synthetic rows each (bench/reward_audit.py writes them), `python -m hflow.tools.reward_audit --data "
+              f"{commit}{' (with uncommitted changes in hflow/reward/score)' if dirty else ''}: {args.rows} "
+              "synthetic rows each (bench/reward_audit.py writes them), `python -m hflow.reward.audit --data "
               "FILE` with the built-in scorers (after) and with the scorers before the audit's fixes (before).\n\n")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     from hflow.utils import fsdp_utils
     from hflow.tasks.tiny_models import build_causal_lm
     from hflow.utils.torch_functional import compute_position_id_with_mask
-    from hflow.workers.fsdp_workers import _load_tokenizer
+    from hflow.workers.common import load_tokenizer
     from hflow.workers.rollout import HFRollout, vLLMRollout
     from hflow.workers.sharding_manager import FSDPVLLMShardingManager
 
@@ -82,7 +82,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     params = sum(p.numel() for p in module.parameters())
     hf_config = module.config
     module = fsdp_utils.apply_fsdp2(module, fsdp_utils.build_device_mesh(1))
-    tokenizer = _load_tokenizer(str(model_dir))
+    tokenizer = load_tokenizer(str(model_dir))
     config = default_section(
         "actor_rollout_ref.rollout", prompt_length=prompt_len, response_length=response_len, dtype="float32",
         kv_cache_memory_bytes=256 * 2**20, max_num_batched_tokens=4096, enforce_eager=True)

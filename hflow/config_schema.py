@@ -367,7 +367,7 @@ class CustomRewardFunctionConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: Optional[float] = 30  # None: call the function in the driver, no limit (debugging, seeded controls)
     on_error: str = "raise"  # raise | zero
-    url: Optional[str] = None  # a remote scorer (hflow.workers.reward_manager.remote) instead of path
+    url: Optional[str] = None  # a remote scorer (hflow.reward.managers.remote) instead of path
     max_concurrency: int = 8  # remote: requests in flight at once
     batch_size: int = 32  # remote: samples per request
     request_timeout_s: float = 60  # remote: one request's limit (a timed-out request is retried)
@@ -459,9 +459,9 @@ class TrainerConfig:
     validation_data_dir: Optional[str] = None
     log_val_generations: int = 0
     seed: int = 42
-    reward_audit: bool = False  # audit the reward for gaming responses before training (hflow.tools.reward_audit)
+    reward_audit: bool = False  # audit the reward for gaming responses before training (hflow.reward.audit)
     reward_audit_max_accept: float = 0.05
-    memory_plan: str = "summary"  # off | summary | enforce (hflow.tools.memory_plan)
+    memory_plan: str = "summary"  # off | summary | enforce (hflow.cli.memory_plan)
     device_memory_gb: Optional[float] = None  # memory of one device for the plan; None = the device's own
     health: HealthConfig = field(default_factory=HealthConfig)
 

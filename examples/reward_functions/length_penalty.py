@@ -6,7 +6,7 @@
         +custom_reward_function.reward_kwargs.penalty_per_char=0.0005
 """
 
-from hflow.utils.reward_score import gsm8k
+from hflow.reward.score import gsm8k
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, penalty_per_char=0.0005):

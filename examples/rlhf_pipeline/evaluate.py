@@ -1,7 +1,7 @@
 """Measure a policy and a reward model of the built-in RLHF task on questions they never trained on.
 
 * The policy's greedy answers to the held-out questions, scored three ways by the hidden preference
-  (`hflow.utils.reward_score.answer_style`, which nothing trained on): `exact_correct` (the right number,
+  (`hflow.reward.score.answer_style`, which nothing trained on): `exact_correct` (the right number,
   any style), `house_style` (share in the preferred style, right number or not) and `true_score` (the
   preference's own score: 1 right and in the house style, 0.5 right in another style, 0 wrong); and by
   the reward model (`rm_score`, what PPO optimised).
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 from hflow.utils.dataset.rl_dataset import read_parquet
-from hflow.utils.reward_score.answer_style import HOUSE_STYLE, compute_score, parse
+from hflow.reward.score.answer_style import HOUSE_STYLE, compute_score, parse
 
 
 def _prompt_ids(tokenizer, chat: list[dict]) -> list[int]:

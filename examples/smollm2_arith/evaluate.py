@@ -28,7 +28,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hflow.utils.reward_score.arithmetic import compute_score
+from hflow.reward.score.arithmetic import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_data import INSTRUCTION

@@ -6,7 +6,7 @@
 Reads each run's metrics.jsonl (the trainer's jsonl logger): held-out greedy accuracy
 (`val-core/hflow/arithmetic/reward/mean@1`) at every validation, training score, response length and
 step time. Writes OUT.md (table), OUT.json (every number) and OUT.png (learning curves of all runs, via
-`hflow.tools.plot`). The noise it reports: the spread of the final accuracy between seeds, and the
+`hflow.cli.plot`). The noise it reports: the spread of the final accuracy between seeds, and the
 binomial standard error sqrt(p(1-p)/n) of one accuracy measured on the n held-out problems.
 """
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
 
-    from hflow.tools.plot import main as plot
+    from hflow.cli.plot import main as plot
 
     plot([*map(str, args.metrics), "-o", str(args.out.with_suffix(".png")), "--labels", *labels])
     return summary

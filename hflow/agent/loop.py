@@ -135,7 +135,7 @@ class TurnEngine(ABC):
     streams: bool = True  # can take new requests while earlier ones run
 
     @abstractmethod
-    def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+    def add_turn(self, key: int, ids: list[int], max_tokens: int) -> None:
         """Queue one assistant turn continuing `ids` for at most `max_tokens` tokens."""
 
     @abstractmethod
@@ -160,7 +160,8 @@ class ToolRunner:
         self._thread = threading.Thread(target=self._loop.run_forever, name="hflow-tools", daemon=True)
         self._thread.start()
 
-    def submit(self, coroutine) -> concurrent.futures.Future:
+    def run_soon(self, coroutine) -> concurrent.futures.Future:
+        """Schedule `coroutine` on the tool thread's loop; its future resolves when it finishes."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def close(self) -> None:
@@ -227,7 +228,7 @@ class AgentLoop:
                         episodes[key].finished_s = time.perf_counter() - started
                 for key in ready:
                     episode = episodes[key]
-                    engine.submit(key, episode.ids, self.response_length - len(episode.response_ids))
+                    engine.add_turn(key, episode.ids, self.response_length - len(episode.response_ids))
                 ready = []
                 finished = self._all_finished(episodes) and not waiting
                 if all_done is not None:
@@ -242,7 +243,7 @@ class AgentLoop:
                         continue
                     waiting.add(result.key)
                     if runner is not None:
-                        future = runner.submit(self._run_calls(episode, *calls))
+                        future = runner.run_soon(self._run_calls(episode, *calls))
                         pending[future] = result.key
         finally:
             if runner is not None:

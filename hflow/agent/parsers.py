@@ -92,7 +92,7 @@ def call_from_json(body: str) -> ToolCall | str:
     except json.JSONDecodeError as exc:
         return f"invalid JSON in tool call ({exc.msg} at line {exc.lineno} column {exc.colno}): {_quote(body)}"
     if not isinstance(data, dict):
-        return f"a tool call must be a JSON object with \"name\" and \"arguments\", not {_json_type(data)}: {_quote(body)}"
+        return f"a tool call must be a JSON object with \"name\" and \"arguments\", not {json_type(data)}: {_quote(body)}"
     name = data.get("name")
     if not isinstance(name, str) or not name.strip():
         what = "has no \"name\"" if name is None else f"has a \"name\" that is not a non-empty string ({name!r})"
@@ -106,7 +106,7 @@ def call_from_json(body: str) -> ToolCall | str:
         except json.JSONDecodeError as exc:
             return f"tool call {name!r}: \"arguments\" is a string that is not JSON ({exc.msg}): {_quote(body)}"
     if not isinstance(arguments, dict):
-        return f"tool call {name!r}: \"arguments\" must be a JSON object, not {_json_type(arguments)}: {_quote(body)}"
+        return f"tool call {name!r}: \"arguments\" must be a JSON object, not {json_type(arguments)}: {_quote(body)}"
     return ToolCall(name=name.strip(), arguments=arguments)
 
 
@@ -145,7 +145,7 @@ def _quote(text: str) -> str:
     return repr(text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + "...")
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     """What a decoded JSON value is, in words ("an array", "a string", ...)."""
     names = {list: "an array", str: "a string", bool: "a boolean", int: "an integer", float: "a number",
              type(None): "null", dict: "an object"}

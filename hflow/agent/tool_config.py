@@ -27,7 +27,7 @@ import yaml
 
 from hflow.agent.tools import BaseTool, CalculatorTool, FunctionTool, PythonTool
 from hflow.utils.errors import ConfigError, UserError
-from hflow.utils.reward_score.runner import FileFunction
+from hflow.utils.user_code import FileFunction
 
 __all__ = ["BUILTIN_TOOLS", "builtin_tools", "load_tools", "tool_schemas"]
 

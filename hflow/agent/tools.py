@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hflow.agent.calculator import evaluate
-from hflow.agent.parsers import ToolCall, _json_type
+from hflow.agent.parsers import ToolCall, json_type
 
 __all__ = [
     "BaseTool",
@@ -350,7 +350,7 @@ def validate_arguments(schema: dict, arguments: dict) -> list[str]:
     if isinstance(schema, Mapping) and isinstance(schema.get("function"), Mapping):
         schema = schema["function"].get("parameters") or {}
     if not isinstance(arguments, Mapping):
-        return [f"the arguments must be a JSON object, not {_json_type(arguments)}"]
+        return [f"the arguments must be a JSON object, not {json_type(arguments)}"]
     problems: list[str] = []
     _check_object(schema or {}, arguments, "", problems)
     return problems
@@ -387,7 +387,7 @@ def _check_value(schema: Mapping, value: Any, where: str, problems: list[str]) -
     types = [types] if isinstance(types, str) else list(types or [])
     known = [t for t in types if t in _JSON_TYPES]
     if known and not any(_JSON_TYPES[t](value) for t in known):
-        problems.append(f"argument {where} must be {' or '.join(known)}, not {_json_type(value)} ({_clip(repr(value), 80)})")
+        problems.append(f"argument {where} must be {' or '.join(known)}, not {json_type(value)} ({_clip(repr(value), 80)})")
         return
     if "enum" in schema and value not in schema["enum"]:
         problems.append(f"argument {where} must be one of {schema['enum']!r}, not {_clip(repr(value), 80)}")

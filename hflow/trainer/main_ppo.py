@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from hflow.config_schema import SCHEMAS, ConfigError, check_override_key, default_config, validate_config
+from hflow import CONFIG_DIR
+from hflow.config_schema import SCHEMAS, ConfigError, check_override_key, validate_config
+from hflow.tasks.defaults import fill_builtin_defaults
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "config")
 
 # Environment every worker process starts with: in-process vLLM engines (the hybrid engine shares the
 # worker's torch.distributed world), quiet tokenizers. Whatever depends on a worker's device is decided
@@ -32,76 +33,6 @@ WORKER_ENV = {
     "VLLM_LOGGING_LEVEL": "WARN",
     "NCCL_DEBUG": "WARN",
 }
-
-
-def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> None:
-    """Point unset data and model paths at the built-in task and model (generated on first use).
-
-    With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
-    shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
-    command line (`user_keys`), nor a value that differs from the shipped default.
-
-    With `actor_rollout_ref.rollout.multi_turn.enable`, the built-in task is the agentic one
-    (`hflow.tasks.agent_task`: multiplications, a model that calls the calculator only sometimes) and its
-    settings are `config/builtin_agent_task.yaml`.
-    """
-    from hflow.tasks.builtin_task import ensure_builtin_assets
-
-    if config.actor_rollout_ref.rollout.multi_turn.enable:
-        from hflow.tasks.agent_task import ensure_agent_assets
-
-        ensure_assets, settings_yaml = ensure_agent_assets, "builtin_agent_task.yaml"
-    else:
-        ensure_assets, settings_yaml = ensure_builtin_assets, "builtin_task.yaml"
-
-    def files() -> tuple[str, str]:
-        assets = ensure_assets()
-        return str(assets.train_file), str(assets.val_file)
-
-    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, settings_yaml, default_config(), user_keys,
-                       model_path=lambda: ensure_assets().model_path)
-
-
-def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_yaml: str, shipped: DictConfig,
-                       user_keys: frozenset[str], model_path=None) -> None:
-    """The built-in model at `model_key` (`model_path()`, default the arithmetic task's) and the built-in
-    `data_files()` (train, val) where unset; with both, `apply_builtin_settings(settings_yaml)`. Shared by
-    every stage's entry point."""
-    from hflow.tasks.builtin_task import ensure_builtin_assets
-
-    model_path = model_path or (lambda: ensure_builtin_assets().model_path)
-    needs_model = OmegaConf.select(config, model_key) is None
-    needs_data = config.data.train_files is None or config.data.val_files is None
-    if not (needs_model or needs_data):
-        return
-    train_file, val_file = data_files()
-    with open_dict(config):
-        if needs_model:
-            OmegaConf.update(config, model_key, str(model_path()))
-        if config.data.train_files is None:
-            config.data.train_files = train_file
-        if config.data.val_files is None:
-            config.data.val_files = val_file
-    if needs_model and needs_data:
-        apply_builtin_settings(config, settings_yaml, shipped, user_keys)
-
-
-def apply_builtin_settings(config: DictConfig, yaml_name: str, shipped: DictConfig, user_keys: frozenset[str]) -> None:
-    """The settings of `config/<yaml_name>` for the built-in model and task, over the shipped defaults
-    (`shipped`): never over a key given on the command line (`user_keys`), nor a value that differs from
-    the shipped default."""
-    with open_dict(config):
-        for key, value in _leaves(OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / yaml_name))):
-            if key not in user_keys and OmegaConf.select(config, key) == OmegaConf.select(shipped, key):
-                OmegaConf.update(config, key, value)
-
-
-def _leaves(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
@@ -149,7 +80,7 @@ def start_backend(config: DictConfig) -> None:
 def build_trainer(config: DictConfig):
     from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
     from hflow.utils.dataset import RLHFDataset, collate_fn, create_train_dataloader
-    from hflow.workers.reward_manager import load_reward_manager
+    from hflow.reward.managers import load_reward_manager
 
     tokenizer = load_tokenizer(config.actor_rollout_ref.model, "actor_rollout_ref.model")
     tools = None
@@ -171,12 +102,12 @@ def build_trainer(config: DictConfig):
 def load_tokenizer(model_cfg: DictConfig, prefix: str):
     """The tokenizer of a model section (`tokenizer_path`, else `path`), on the driver; files that
     transformers cannot read end the run naming the key."""
-    from hflow.workers.fsdp_workers import _load_tokenizer
+    from hflow.workers.common import load_tokenizer
 
     key = f"{prefix}.tokenizer_path" if model_cfg.tokenizer_path else f"{prefix}.path"
     path = model_cfg.tokenizer_path or model_cfg.path
     try:
-        return _load_tokenizer(path, model_cfg.trust_remote_code)
+        return load_tokenizer(path, model_cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{key}={path}: the tokenizer does not load ({type(err).__name__}: "
                           f"{' '.join(str(err).split())}); fix or replace its files") from None

@@ -31,7 +31,7 @@ from hflow.config_schema import (
     check_train_batch,
     per_rank_mini_batch,
 )
-from hflow.trainer.ppo.dapo import check_dapo_config
+from hflow.reward.dynamic_sampling import check_dapo_config
 from hflow.trainer.ppo.health import check_health_config
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import (
@@ -154,8 +154,8 @@ def preflight_check(config: DictConfig) -> None:
         raise ConfigError(f"custom_reward_function.path: file {config.custom_reward_function.path} does not exist")
     # Import the reward file now, so that a syntax error, a wrong .name or a signature that the trainer
     # cannot call stops the run before the tokenizer and data load (the trainer reuses the loaded file).
-    from hflow.workers.reward_manager import get_reward_manager_cls
-    from hflow.workers.reward_manager.loader import (
+    from hflow.reward.managers import get_reward_manager_cls
+    from hflow.reward.managers.loader import (
         check_reward_fn_signature,
         get_custom_reward_fn,
         get_remote_scorer,
@@ -265,7 +265,7 @@ def preflight_check(config: DictConfig) -> None:
         raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
-        from hflow.utils.judge import check_judge_config
+        from hflow.reward.judge import check_judge_config
 
         check_judge_config(config.reward_model)
     check_reward_shaping(config)
@@ -276,14 +276,14 @@ def preflight_check(config: DictConfig) -> None:
         if not 0 <= float(config.trainer.reward_audit_max_accept) <= 1:
             raise ConfigError(f"trainer.reward_audit_max_accept must be in [0, 1], got "
                               f"{config.trainer.reward_audit_max_accept}")
-        from hflow.tools.reward_audit import check_reward_before_training
+        from hflow.reward.audit import check_reward_before_training
 
         check_reward_before_training(config)
     check_memory(config)
 
 
 def check_memory(config: DictConfig) -> None:
-    """`trainer.memory_plan`: the plan of peak device memory per phase (`hflow.tools.memory_plan`), last, on a
+    """`trainer.memory_plan`: the plan of peak device memory per phase (`hflow.cli.memory_plan`), last, on a
     configuration every other check has passed: `summary` prints one line, `enforce` refuses a plan that
     does not fit, naming the phase and the keys that make it fit."""
     mode = config.trainer.memory_plan
@@ -292,7 +292,7 @@ def check_memory(config: DictConfig) -> None:
         raise ConfigError(f"trainer.device_memory_gb must be > 0 (GiB of one device) or null, "
                           f"got {config.trainer.device_memory_gb}")
     if mode != "off":
-        from hflow.tools.memory_plan import check_memory_plan
+        from hflow.cli.memory_plan import check_memory_plan
 
         check_memory_plan(config, mode)
 
@@ -349,7 +349,7 @@ def check_reward_shaping(config: DictConfig) -> None:
     if algo.stop_token is not None:
         from transformers import AutoTokenizer
 
-        from hflow.trainer.ppo.reward_shaping import resolve_stop_token_id
+        from hflow.reward.shaping import resolve_stop_token_id
 
         model = config.actor_rollout_ref.model
         path = str(model.tokenizer_path or model.path)
@@ -389,7 +389,7 @@ def check_reward_sources(config: DictConfig) -> None:
     if config.custom_reward_function.path is not None or config.custom_reward_function.url is not None:
         return
     from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
-    from hflow.utils.reward_score import SCORERS
+    from hflow.reward.score import SCORERS
 
     key = config.data.reward_fn_key
     for files_key in ("data.train_files", "data.val_files"):

@@ -24,6 +24,7 @@ from hflow.single_controller.base import ClassWithInitArgs
 from hflow.trainer.checkpoints import StepCheckpoints
 from hflow.trainer.ppo.metric_utils import reduce_metrics
 from hflow.utils.tracking import Tracking, check_backends
+from hflow.workers.supervised_workers import StageWorker
 
 __all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
 
@@ -97,7 +98,7 @@ class SupervisedTrainer:
         self.worker_group = make_worker_group(self.config.trainer, ClassWithInitArgs(self.worker_cls, config=self.config),
                                               name=f"{self.stage}_pool")
         self.worker_group.execute_all_sync("seed_everything", int(self.config.trainer.seed))
-        self.worker_group.init_model()
+        self.worker_group.call(StageWorker.init_model)
 
     def shutdown(self) -> None:
         if self.worker_group is not None:
@@ -126,7 +127,7 @@ class SupervisedTrainer:
             batch = DataProto.from_single_dict(next(batches))
             batch.meta_info.update(self.batch_counts(batch))
             started = time.perf_counter()
-            output = self.worker_group.train_step(batch)
+            output = self.worker_group.call(StageWorker.train_step, batch)
             elapsed = time.perf_counter() - started
             metrics = reduce_metrics(output.meta_info["metrics"])
             metrics["timing_s/step"] = elapsed
@@ -142,7 +143,7 @@ class SupervisedTrainer:
             progress.update(1)
         progress.close()
         tracker.close()
-        self.worker_group.save_hf_model(str(Path(trainer_cfg.hf_output_dir).expanduser().resolve()))
+        self.worker_group.call(StageWorker.save_hf_model, str(Path(trainer_cfg.hf_output_dir).expanduser().resolve()))
         print(f"{self.stage}: Hugging Face model written to {trainer_cfg.hf_output_dir}")
         return val_metrics
 
@@ -157,7 +158,7 @@ class SupervisedTrainer:
         outputs, batches = [], []
         for batch_dict in DataLoader(self.val_dataset, batch_size=size, shuffle=False, collate_fn=self.collate_fn):
             batch = DataProto.from_single_dict(batch_dict)
-            outputs.append(self.worker_group.evaluate(batch))
+            outputs.append(self.worker_group.call(self.worker_cls.evaluate, batch))
             batches.append(batch)
         return self.val_metrics(DataProto.concat(batches), DataProto.concat(outputs))
 
@@ -173,7 +174,7 @@ class SupervisedTrainer:
 
     def _save_checkpoint(self) -> None:
         step_dir = self.checkpoints.step_dir(self.global_steps)
-        self.worker_group.save_checkpoint(str(step_dir / "model"), global_step=self.global_steps)
+        self.worker_group.call(StageWorker.save_checkpoint, str(step_dir / "model"), global_step=self.global_steps)
         self.checkpoints.save_driver_state(self.global_steps, {"dataloader": self.train_dataloader.state_dict()})
         self.checkpoints.commit(self.global_steps)
 
@@ -183,7 +184,7 @@ class SupervisedTrainer:
             return
         self.global_steps = self.checkpoints.step_of(step_dir)
         print(f"resuming from {step_dir} (step {self.global_steps})")
-        self.worker_group.load_checkpoint(str(step_dir / "model"))
+        self.worker_group.call(StageWorker.load_checkpoint, str(step_dir / "model"))
         self.train_dataloader.load_state_dict(self.checkpoints.load_driver_state(step_dir)["dataloader"])
 
 
@@ -244,7 +245,7 @@ def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: froze
     """Unset data and model paths point at the built-in RLHF task (`hflow.tasks.rlhf_task`) and the
     built-in model; with both, `config/builtin_<stage>.yaml` replaces the shipped defaults it names."""
     from hflow.config_schema import SCHEMAS, default_config
-    from hflow.trainer.main_ppo import fill_builtin_paths
+    from hflow.tasks.defaults import fill_builtin_paths
 
     def files() -> tuple[str, str]:
         from hflow.tasks.rlhf_task import ensure_rlhf_task_data

@@ -12,7 +12,7 @@ Layout of a checkpoint folder:
     model_optim/            DCP shards of {"model", "optimizer"} (.metadata, __<rank>_0.distcp)
     extra_rank_<r>.pt       LR scheduler state, RNG states and other stateful objects of rank r
     huggingface/            config, generation config, tokenizer (written with every checkpoint, for
-                            hflow.tools.convert_checkpoint); + safetensors when contents include "hf_model"
+                            hflow.cli.convert_checkpoint); + safetensors when contents include "hf_model"
     lora/adapter_config.json  (LoRA actors) the adapters' rank, alpha and targets
     <name>/                 (contents include "hf_model") each extra export, e.g. the actor's EMA
                             weights as `ema_huggingface/`
@@ -226,7 +226,7 @@ class FSDPCheckpointManager:
 
 
 def save_model_info(folder: Path, model: torch.nn.Module, tokenizer=None) -> None:
-    """What reading a checkpoint offline needs beside its shards (`hflow.tools.convert_checkpoint`): the
+    """What reading a checkpoint offline needs beside its shards (`hflow.cli.convert_checkpoint`): the
     model's config, generation config and tokenizer in `huggingface/` (unless an hf_model export put them
     there), and a LoRA model's adapter config (rank, alpha, targets) in `lora/`."""
     hf_dir = folder / HF_DIR

@@ -234,6 +234,21 @@ def get_response_mask(
     return (eos_before == 0).to(dtype)
 
 
+def response_attention_mask(attention_mask: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """The response positions of a (prompt + response) attention mask: 1 for every valid response token.
+
+    The one place that cuts it: a batch whose rollout wrote `response_mask` (multi-turn: 0 on tool tokens)
+    should use that instead where tool tokens must not count."""
+    return attention_mask[:, -responses.shape[-1]:]
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a 0/1 mask (0 for an all-zero row: an empty response's score
+    goes there too)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return (positions * mask.long()).argmax(dim=-1)
+
+
 def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only attended tokens: 0, 1, 2, ... from the first 1 in `mask`
     (left padding gets 0)."""

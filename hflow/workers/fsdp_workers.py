@@ -23,21 +23,14 @@ from omegaconf import DictConfig
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
+from hflow.utils.torch_functional import last_valid_index, response_attention_mask
+from hflow.workers.common import load_tokenizer, memory_metrics
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
 from hflow.workers.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-
-
-def _load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:  # many chat models ship without one
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def generate_with(rollout, context, prompts: DataProto, generation_config, tokenizer, **generate_kwargs) -> DataProto:
@@ -68,11 +61,7 @@ def engine_info_of(rollout, context, hf_config) -> dict[str, int]:
             "vocab_size": int(hf_config.get_text_config().vocab_size)}
 
 
-def _memory_metrics() -> dict[str, float]:
-    return {"perf/max_memory_allocated_gb": device.max_memory_allocated_gib()}
-
-
-class _FSDPModelHolder:
+class FSDPModelHolder:
     """What the actor and the critic share: a model in FSDP2, its optimizer, scheduler and checkpoints."""
 
     def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
@@ -167,7 +156,7 @@ class _FSDPModelHolder:
                     loss_config[key] = float(value) * clip_factor
 
 
-class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
+class ActorRolloutRefWorker(Worker, FSDPModelHolder):
     """Actor, rollout and/or reference policy in one process (`role` says which).
 
     `config` is the `actor_rollout_ref` subtree. Nothing heavy happens before `init_model`, which
@@ -196,7 +185,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
         self.init_distributed()
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
-        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         actor_fsdp = self.config.actor.fsdp_config
         self._offload_param = self._is_actor and actor_fsdp.param_offload
         self._offload_optim = self._is_actor and actor_fsdp.optimizer_offload
@@ -386,7 +375,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             metrics["perf/mfu/actor"] = mfu
         metrics["actor/lr"] = self.actor_lr_scheduler.get_last_lr()[0]
         self.actor_lr_scheduler.step()
-        metrics.update(_memory_metrics())
+        metrics.update(memory_metrics())
         self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         return DataProto(meta_info={"metrics": metrics})
 
@@ -466,7 +455,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelHolder):
             raise RuntimeError(f"{method}() needs the {role!r} role, but this worker has role {self.role!r}")
 
 
-class CriticWorker(Worker, _FSDPModelHolder):
+class CriticWorker(Worker, FSDPModelHolder):
     """The value model (`critic` subtree): `compute_values` and `update_critic`."""
 
     def __init__(self, config: DictConfig):
@@ -482,7 +471,7 @@ class CriticWorker(Worker, _FSDPModelHolder):
         self.init_distributed()
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
-        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         fsdp_cfg = model_cfg.fsdp_config
         self._offload_param = fsdp_cfg.param_offload
         self._offload_optim = fsdp_cfg.optimizer_offload
@@ -563,12 +552,12 @@ class RewardModelWorker(Worker):
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
         model_cfg = self.config.model
         trust = model_cfg.trust_remote_code
-        self.tokenizer = _load_tokenizer(model_cfg.path, trust)
+        self.tokenizer = load_tokenizer(model_cfg.path, trust)
         # Re-encoded inputs may be longer than the policy's; when reward_model.max_length cuts them, cut
         # from the left so that the response -- the part being scored -- survives.
         self.tokenizer.truncation_side = "left"
         input_tokenizer = model_cfg.input_tokenizer
-        self.input_tokenizer = _load_tokenizer(input_tokenizer, trust) if input_tokenizer else None
+        self.input_tokenizer = load_tokenizer(input_tokenizer, trust) if input_tokenizer else None
         self._retokenize = self.input_tokenizer is not None and (
             self.input_tokenizer.get_vocab() != self.tokenizer.get_vocab()
             or self.input_tokenizer.chat_template != self.tokenizer.chat_template
@@ -597,7 +586,7 @@ class RewardModelWorker(Worker):
     def _reencode(self, data: DataProto) -> dict[str, torch.Tensor]:
         """Decode prompt and response with the policy tokenizer, re-encode with the reward model's."""
         responses = data.batch["responses"]
-        response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+        response_mask = response_attention_mask(data.batch["attention_mask"], responses)
         prompts = data.batch["input_ids"][:, : -responses.shape[1]]
         prompt_mask = data.batch["attention_mask"][:, : -responses.shape[1]]
         raw_chats = data.non_tensor_batch.get("raw_prompt")
@@ -637,9 +626,9 @@ class RewardModelWorker(Worker):
                 scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
                                            inputs["attention_mask"][start:start + micro].to(dev)).cpu())
         scores = torch.cat(scores) if scores else torch.zeros(0)
-        response_mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+        response_mask = response_attention_mask(data.batch["attention_mask"], responses)
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        last = _last_valid_index(response_mask)
+        last = last_valid_index(response_mask)
         has_response = response_mask.sum(-1) > 0
         rm_scores[torch.arange(len(data))[has_response], last[has_response]] = scores[has_response]
         return DataProto.from_dict({"rm_scores": rm_scores})
@@ -648,12 +637,7 @@ class RewardModelWorker(Worker):
 def last_token_scores(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) fp32: a classifier head's per-position output (B, T, 1) -- captured by a forward hook on the head --
     read at each row's last valid token (the attention mask decides, never the pad id)."""
-    last = _last_valid_index(attention_mask)
+    last = last_valid_index(attention_mask)
     return per_token[torch.arange(len(last), device=per_token.device), last, 0].float()
 
-
-def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row of a 0/1 mask (0 for an all-zero row)."""
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    return (positions * mask.long()).argmax(dim=-1)
 

@@ -24,7 +24,8 @@ from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.workers.config import normalize_actor_rollout_ref
-from hflow.workers.fsdp_workers import _load_tokenizer, engine_info_of, generate_with
+from hflow.workers.common import load_tokenizer
+from hflow.workers.fsdp_workers import engine_info_of, generate_with
 from hflow.workers.rollout.base import WeightUpdates
 from hflow.workers.weight_sync import SENDER, StagedWeights, StreamedWeights, WeightGroup, WeightManifest
 
@@ -55,7 +56,7 @@ class RolloutWorker(Worker):
         # The engine owns its device for the whole run: nothing to hand back between generations.
         rollout_cfg.free_cache_engine = False
         self.init_distributed()
-        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
         try:
             self.generation_config = GenerationConfig.from_pretrained(model_cfg.path)

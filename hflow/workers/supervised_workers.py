@@ -27,14 +27,15 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import check_model_path, resolved_copy
-from hflow.workers.fsdp_workers import _FSDPModelHolder, _load_tokenizer, _memory_metrics, last_token_scores
+from hflow.workers.common import load_tokenizer, memory_metrics
+from hflow.workers.fsdp_workers import FSDPModelHolder, last_token_scores
 
 __all__ = ["SFTWorker", "RewardModelTrainWorker", "last_token_scores"]
 
 _SCORE_HEAD_SEED = 2024
 
 
-class _StageWorker(Worker, _FSDPModelHolder):
+class StageWorker(Worker, FSDPModelHolder):
     """One trainable FSDP2 model: set-up, the optimizer step, checkpoints and the HF export."""
 
     def __init__(self, config: DictConfig):
@@ -53,7 +54,7 @@ class _StageWorker(Worker, _FSDPModelHolder):
         check_model_path(model_cfg.path, "model.path")
         self.init_distributed()
         self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
-        self.tokenizer = _load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         module = self._load_module(model_cfg)
         self.hf_config = module.config
         self.module, self.optimizer, self.lr_scheduler = self._build_trainable(
@@ -75,7 +76,7 @@ class _StageWorker(Worker, _FSDPModelHolder):
         metrics["train/grad_norm"] = [clip_grad_norm_and_step(self.module, self.optimizer, self.config.optim.grad_clip)]
         metrics["train/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
-        metrics.update({k: [v] for k, v in _memory_metrics().items()})
+        metrics.update({k: [v] for k, v in memory_metrics().items()})
 
     def _micro_batches(self, data: DataProto, rows_per_item: int = 1):
         """Consecutive slices of `micro_batch_size_per_gpu` items (an item is `rows_per_item` rows), on the device."""
@@ -120,7 +121,7 @@ class _StageWorker(Worker, _FSDPModelHolder):
         self._offload(self.module, None, self._offload_param, False)
 
 
-class SFTWorker(_StageWorker):
+class SFTWorker(StageWorker):
     """Supervised fine-tuning: next-token loss on the tokens `loss_mask` marks (the assistant's)."""
 
     def _load_module(self, model_cfg: DictConfig) -> torch.nn.Module:
@@ -173,7 +174,7 @@ class SFTWorker(_StageWorker):
         return DataProto.from_dict({"nll_sum": torch.cat(sums), "num_tokens": torch.cat(counts)})
 
 
-class RewardModelTrainWorker(_StageWorker):
+class RewardModelTrainWorker(StageWorker):
     """Reward-model training: a score per sequence (the head's output at its last valid token, as
     `RewardModelWorker` reads it in PPO); softmax cross-entropy over each group's K scores with the
     preferred one as the target, which for K=2 is -log sigmoid(r_chosen - r_rejected)."""

@@ -10,7 +10,7 @@ import pytest
 
 from hflow.config_schema import default_config
 from hflow.utils.dataset import RLHFDataset
-from hflow.utils.reward_score import default_compute_score
+from hflow.reward.score import default_compute_score
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "data_preprocess" / "gsm8k.py"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

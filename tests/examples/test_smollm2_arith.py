@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hflow.utils.reward_score import default_compute_score
+from hflow.reward.score import default_compute_score
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2_arith"
 

@@ -46,8 +46,20 @@ def test_non_blocking_call_hands_its_result_to_another_group(local_group):
     wg = local_group(ClassWithInitArgs(ComputeWorker))
     result = wg.double_async(_data(3))  # async worker method, blocking=False: already computed here
     assert isinstance(result, DataProto) and result.batch["a"].tolist() == [0, 2, 4]
-    submitted = wg.double_async.submit(_data(3))  # any method, either backend: a call to collect later
+    submitted = wg.start(ComputeWorker.double_async, _data(3))  # any method, either backend: a call to collect later
     assert submitted.result().batch["a"].tolist() == [0, 2, 4]
+
+
+def test_group_call_names_the_worker_method(local_group):
+    """`call`/`start` take the worker method itself (what "go to definition" follows), and refuse anything
+    that is not one of the group's registered methods, naming what the group has."""
+    wg = local_group(ClassWithInitArgs(ComputeWorker))
+    assert wg.call(ComputeWorker.double_async, _data(3)).batch["a"].tolist() == [0, 2, 4]
+    assert wg.call(ComputeWorker.add_rank, 1) == wg.add_rank(1)
+    with pytest.raises(TypeError, match="not a @register-ed worker method"):
+        wg.call(len, [1])
+    with pytest.raises(TypeError, match="not a method of this group's workers"):
+        wg.call(CriticLike.scale_a, _data(2))
 
 
 def test_colocated_roles_and_spawn(local_group):

@@ -179,20 +179,20 @@ def test_ray_remote_and_plain_class_both_build_groups_in_either_order(groups, or
 
 
 def test_submitted_calls_on_two_groups_run_at_the_same_time(wg, groups):
-    """`method.submit(...)` returns at once; calls on groups of other processes overlap (as generation on
+    """`group.start(Worker.method, ...)` returns at once; calls on groups of other processes overlap (as generation on
     the rollout pool overlaps training with trainer.async_steps=1); `result()` collects as a blocking call."""
     other = groups(RayClassWithInitArgs(ComputeWorker))
     other.nap(0)  # started and warm
     started = time.monotonic()
-    first, second = wg.nap.submit(1.0), other.nap.submit(1.0)
+    first, second = wg.start(ComputeWorker.nap, 1.0), other.start(ComputeWorker.nap, 1.0)
     assert time.monotonic() - started < 0.5
     intervals = first.result() + second.result()
     assert len(intervals) == 2 * WORLD
     assert max(start for start, _ in intervals) < min(end for _, end in intervals)  # all four naps overlapped
     assert first.result() is first.result()  # collected once
-    assert wg.add_rank.submit(1).result() == [2, 3]  # the same collect as the blocking call
+    assert wg.start(ComputeWorker.add_rank, 1).result() == [2, 3]  # the same collect as the blocking call
     with pytest.raises(WorkerGroupError, match="boom from rank one"):
-        other.fail_on_rank_one.submit().result()
+        other.start(ComputeWorker.fail_on_rank_one).result()
 
 
 def test_gloo_all_reduce_across_ranks(wg):

@@ -1,13 +1,13 @@
 """Reward functions for tests/trainer/test_gameable_reward.py: one a reward audit flags, one it passes.
 
 Training rows (extra_info.split == "train") get the reward under test; validation rows always get the true
-score (`hflow.utils.reward_score.arithmetic`: the last number is the answer), so validation measures what
+score (`hflow.reward.score.arithmetic`: the last number is the answer), so validation measures what
 the policy really learned, as in tests/trainer/reward_controls.py.
 """
 
 import re
 
-from hflow.utils.reward_score import arithmetic
+from hflow.reward.score import arithmetic
 
 
 def any_number(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

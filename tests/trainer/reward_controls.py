@@ -11,7 +11,7 @@ reads which draw.
 
 import random
 
-from hflow.utils.reward_score import arithmetic
+from hflow.reward.score import arithmetic
 
 _COINS: dict[int, random.Random] = {}  # one generator per seed, independent of the global `random`
 

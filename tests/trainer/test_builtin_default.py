@@ -11,7 +11,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hflow.trainer.main_ppo import CONFIG_DIR
+from hflow import CONFIG_DIR
 from tests.trainer.learning import assert_learned, validation_curve
 from tests.trainer.test_command_line import assert_no_warning_twice, main_ppo
 
@@ -31,7 +31,7 @@ def test_builtin_default_learns_and_prints_no_warning_twice(tmp_path):
 
 
 def test_builtin_settings_never_replace_what_the_user_gave():
-    from hflow.trainer.main_ppo import fill_builtin_defaults
+    from hflow.tasks.defaults import fill_builtin_defaults
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=[
@@ -50,7 +50,7 @@ def test_builtin_settings_fit_one_node_of_any_usual_size(nodes, devices):
     """`trainer.n_gpus_per_node=8` (on one or two nodes) with nothing else must pass preflight: the
     built-in micro-batch divides every rank's share of a step."""
     from hflow.config_schema import validate_config
-    from hflow.trainer.main_ppo import fill_builtin_defaults
+    from hflow.tasks.defaults import fill_builtin_defaults
     from hflow.trainer.preflight import preflight_check
 
     overrides = [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={devices}", f"ray_init.num_cpus={devices}"]

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from hflow.config_schema import ConfigError, default_config
 from hflow.protocol import DataProto
-from hflow.trainer.ppo import dapo
+from hflow.reward import dynamic_sampling as dapo
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
 from hflow.utils.errors import UserError
 

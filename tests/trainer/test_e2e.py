@@ -23,8 +23,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
-from hflow.utils.reward_score import arithmetic
+from hflow import CONFIG_DIR
+from hflow.trainer.main_ppo import run_ppo
+from hflow.reward.score import arithmetic
 from hflow.tasks.builtin_task import ensure_builtin_assets
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,12 +3,12 @@
 The hedging built-in model (`HEDGING_SPEC`: its corpus answers 7 + 5 with "12" 10% of the time, the hedge
 "12 or 13" 45%, "13" the rest) starts out wrong under the true scorer, which reads the last number. The
 planted reward (tests/trainer/gameable_rewards.py: any number in the response may be the answer) pays as
-much for the hedge as for the answer; `python -m hflow.tools.reward_audit` flags it on the
+much for the hedge as for the answer; `python -m hflow.reward.audit` flags it on the
 `multiple_candidates` family (exit status 1) on the task's own data. GRPO on it drives the training score
 from ~0.55 to ~0.9 by making the model hedge on (almost) every problem, while the true held-out greedy
 score stays near 0 (0.025 at the start, <= 0.075 at step 10). The fixed reward (the whole response must be
 the answer), which the audit passes, teaches the same model the task in the same run. (The built-in scorer,
-`hflow.utils.reward_score.arithmetic`, is not the fix: it fails the audit on `multiple_candidates` too,
+`hflow.reward.score.arithmetic`, is not the fix: it fails the audit on `multiple_candidates` too,
 paying for '#### -1 and 0' when the answer is 0, though not for the hedge this model learned.)
 
 Same command as tests/trainer/test_reward_controls.py (local backend, HF rollout, rewards in the driver)
@@ -29,7 +29,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from hflow.tasks.builtin_task import HEDGING_SPEC, ensure_builtin_assets
-from hflow.trainer.main_ppo import _leaves
+from hflow.tasks.defaults import dotted_leaves
 from tests.conftest import REPO_ROOT
 from tests.trainer.learning import VAL_KEY, assert_learned, validation_curve
 
@@ -41,11 +41,11 @@ TRAIN_SCORE = "critic/score/mean"
 def builtin_settings() -> list[str]:
     """config/builtin_task.yaml as command-line overrides (main_ppo applies it only to the default model)."""
     settings = OmegaConf.to_container(OmegaConf.load(Path(REPO_ROOT) / "config" / "builtin_task.yaml"))
-    return [f"{key}={value}" for key, value in _leaves(settings)]
+    return [f"{key}={value}" for key, value in dotted_leaves(settings)]
 
 
 def audit(reward_name: str, data_file: str, out: Path) -> tuple[int, dict]:
-    command = [sys.executable, "-m", "hflow.tools.reward_audit", "--reward", f"{REWARDS}:{reward_name}",
+    command = [sys.executable, "-m", "hflow.reward.audit", "--reward", f"{REWARDS}:{reward_name}",
                "--data", data_file, "--out", str(out)]
     run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode in (0, 1), run.stdout[-2000:] + run.stderr[-4000:]
@@ -111,7 +111,7 @@ def runs(assets, tmp_path_factory):
 
 def test_the_hedging_model_is_a_new_folder_and_the_default_assets_stay_as_they_were():
     from hflow.tasks import builtin_task as bt
-    from hflow.utils.reward_score import arithmetic
+    from hflow.reward.score import arithmetic
 
     assert bt.DEFAULT_SPEC.digest() == "f4b257fffc23"  # the digest before p_hedge existed: same marker, same folder
     assert "p_hedge" not in bt.DEFAULT_SPEC.as_dict() and bt._folder_name(bt.DEFAULT_SPEC) == f"builtin-v{bt.VERSION}"

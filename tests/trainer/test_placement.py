@@ -13,7 +13,8 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
+from hflow import CONFIG_DIR
+from hflow.trainer.main_ppo import run_ppo
 from tests.trainer.learning import assert_learned, validation_curve
 
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hflow.trainer.main_ppo import CONFIG_DIR
+from hflow import CONFIG_DIR
 from hflow.trainer.preflight import preflight_check
 from hflow.workers.config import ConfigError
 

@@ -12,16 +12,16 @@ import sys
 
 import pytest
 
-from hflow.utils.reward_score import default_compute_score
+from hflow.reward.score import default_compute_score
 from tests.conftest import REPO_ROOT
 from tests.trainer.learning import assert_learned, validation_curve
-from tests.workers.test_remote_scorer import start_server
+from tests.reward.test_remote_scorer import start_server
 
 STEPS = 6
 
 USER_FILE = '''
-from hflow.utils.reward_score import default_compute_score
-from hflow.workers.reward_manager import NaiveRewardManager, register
+from hflow.reward.score import default_compute_score
+from hflow.reward.managers import NaiveRewardManager, register
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -62,7 +62,7 @@ def _run(tmp_path, *overrides):
 @pytest.fixture
 def scoring_server():
     """A scoring server on 127.0.0.1 that scores like the built-in task and answers 503 to every fifth
-    request (tests/workers/test_remote_scorer.py)."""
+    request (tests/reward/test_remote_scorer.py)."""
     server = start_server(["flaky"], score=lambda item: float(default_compute_score(
         item["data_source"], item["solution_str"], item["ground_truth"], item["extra_info"])))
     yield server

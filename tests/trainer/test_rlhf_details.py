@@ -1,4 +1,4 @@
-"""The reward details of the seed RLHF systems, each against its definition (hflow/trainer/ppo/reward_shaping.py):
+"""The reward details of the seed RLHF systems, each against its definition (hflow/reward/shaping.py):
 
 * `algorithm.reward_clip` (DeepSpeed-Chat): each sequence's score clipped to [-c, c], before the KL penalty;
 * `algorithm.stop_token` / `.missing_stop_penalty` (lm-human-preferences): the reward sees each response cut
@@ -24,13 +24,13 @@ from transformers import AutoTokenizer
 from hflow.algorithms import core_algos
 from hflow.config_schema import ConfigError, default_config
 from hflow.protocol import DataProto
-from hflow.trainer.ppo import reward_shaping
+from hflow.reward import shaping as reward_shaping
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty
 from hflow.trainer.preflight import check_reward_shaping
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.errors import UserError
 from hflow.utils.torch_functional import compute_position_id_with_mask
-from hflow.workers.reward_manager.naive import NaiveRewardManager
+from hflow.reward.managers.naive import NaiveRewardManager
 from hflow.workers.rollout.base import assemble_rollout_output
 from tests.conftest import REPO_ROOT
 
@@ -68,7 +68,7 @@ def make_batch(tokenizer, responses: list[str], eos: bool | list[bool] = True) -
 
 def last_token_scores(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
     out = torch.zeros(mask.shape)
-    out[torch.arange(len(scores)), reward_shaping.last_valid_index(mask)] = torch.tensor(scores)
+    out[torch.arange(len(scores)), last_valid_index(mask)] = torch.tensor(scores)
     return out
 
 

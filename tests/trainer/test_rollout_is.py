@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from hflow.algorithms import core_algos as ca
-from hflow.trainer.main_ppo import CONFIG_DIR
+from hflow import CONFIG_DIR
 from hflow.trainer.preflight import check_rollout_is
 from hflow.workers.config import ConfigError
 

@@ -22,19 +22,19 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hflow.config_schema import SFTTrainerConfig, RMTrainerConfig, default_config
-from hflow.trainer.main_ppo import CONFIG_DIR
+from hflow import CONFIG_DIR
 from hflow.trainer.supervised_trainer import run_stage
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.dataset.supervised import PreferenceDataset, SFTDataset, preference_collate_fn, sft_collate_fn
 from hflow.utils.errors import DataError
 from hflow.tasks.rlhf_task import ensure_rlhf_task_data
-from hflow.workers.fsdp_workers import _load_tokenizer
+from hflow.workers.common import load_tokenizer
 from hflow.workers.supervised_workers import preference_stats
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _load_tokenizer(ensure_builtin_assets().model_path)
+    return load_tokenizer(ensure_builtin_assets().model_path)
 
 
 def write(path, rows):
@@ -159,7 +159,7 @@ def first_step_loss_by_hand(model_path, files, batch_size, seed):
 
     from hflow.utils.dataset import create_train_dataloader
 
-    tokenizer = _load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path)
     data_cfg = sft_data_config(train_batch_size=batch_size, seed=seed, max_length=64)
     dataset = SFTDataset(files, tokenizer, data_cfg)
     batch = next(iter(create_train_dataloader(dataset, data_cfg, sft_collate_fn(tokenizer.pad_token_id))))
@@ -238,7 +238,7 @@ def test_reward_model_on_the_builtin_task(ray_session, tmp_path):
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ckpt" / "huggingface").eval()
     assert model.config.architectures == ["Qwen2ForSequenceClassification"] and model.config.num_labels == 1
-    tokenizer = _load_tokenizer(str(tmp_path / "ckpt" / "huggingface"))
+    tokenizer = load_tokenizer(str(tmp_path / "ckpt" / "huggingface"))
     pairs = PreferenceDataset(ensure_rlhf_task_data().rm_val, tokenizer, rm_data_config(max_length=64))
     kinds = pq.read_table(ensure_rlhf_task_data().rm_val).column("kind").to_pylist()
     batch = preference_collate_fn(tokenizer.pad_token_id)([pairs[i] for i in range(len(pairs))])

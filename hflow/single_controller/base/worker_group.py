@@ -5,7 +5,9 @@ the one place where `@register` metadata becomes behaviour, for every backend:
   `DataProtoFuture` arguments into its own chunk and drops the outputs of padding rows;
 * driver side -- `WorkerGroup._bind_worker_method` gives the group one method per registered method
   that runs dispatch -> execute -> wait -> collect, where only `execute_*` and `wait` are the
-  backend's own (Ray actors, or the driver's process for the local backend).
+  backend's own (Ray actors, or the driver's process for the local backend). Callers name the worker
+  method itself: `group.call(Worker.method, ...)` (blocking, as registered) or `group.start(...)`
+  (returns a `GroupCall` at once).
 """
 
 from __future__ import annotations
@@ -146,18 +148,18 @@ def _make_group_method(worker_group: "WorkerGroup", method_name: str, dispatch_f
         outputs = worker_group.wait(method_name, pending) if blocking else pending
         return collect_fn(worker_group, outputs)
 
-    def submit(*args, **kwargs) -> "GroupCall":
+    def start(*args, **kwargs) -> "GroupCall":
         """Start the call and return at once; `.result()` waits and collects (see `GroupCall`)."""
         args, kwargs = dispatch_fn(worker_group, *args, **kwargs)
         return GroupCall(worker_group, method_name, execute_fn(method_name, *args, **kwargs), collect_fn)
 
     group_method.__name__ = method_name
-    group_method.submit = submit
+    group_method.start = start
     return group_method
 
 
 class GroupCall:
-    """A group call in flight: `wg.update_critic.submit(batch)` returns one, whatever the method's
+    """A group call in flight: `wg.start(CriticWorker.update_critic, batch)` returns one, whatever the method's
     `blocking` flag. The driver goes on (for example, to call another group whose workers sit on other
     devices) and asks for the result when it needs it; `result()` raises what the workers raised.
 
@@ -228,6 +230,28 @@ class WorkerGroup:
 
     def execute_rank_zero(self, method_name: str, *args, **kwargs):
         return self.execute_rank_zero_async(method_name, *args, **kwargs)
+
+    def call(self, method: Callable, *args, **kwargs) -> Any:
+        """Run a registered worker method on every rank as its `@register` says, and return the collected
+        result: ``critic_wg.call(CriticWorker.update_critic, batch)``.
+
+        The method is named by reference, not by string or attribute, so that a reader (or an editor's
+        "go to definition") lands on the worker code the call runs."""
+        return self._group_method(method)(*args, **kwargs)
+
+    def start(self, method: Callable, *args, **kwargs) -> GroupCall:
+        """Start `method` on the group and return at once, whatever its `blocking` flag: the driver goes
+        on (for example, to drive another group on other devices) and calls `.result()` when it needs it."""
+        return self._group_method(method).start(*args, **kwargs)
+
+    def _group_method(self, method: Callable) -> Callable:
+        name = getattr(method, "__name__", None)
+        if getattr(method, MAGIC_ATTR, None) is None:
+            raise TypeError(f"{name or method!r} is not a @register-ed worker method; a group calls only those")
+        if name not in self.method_names:
+            raise TypeError(f"{getattr(method, '__qualname__', name)} is not a method of this group's workers "
+                            f"(it has {sorted(self.method_names)})")
+        return getattr(self, name)
 
     def spawn(self, prefix_set) -> dict[str, "WorkerGroup"]:
         """Per-role views of a colocated group: `spawn({"actor", "critic"})["critic"].update_critic(...)`.

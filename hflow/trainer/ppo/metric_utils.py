@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hflow.protocol import DataProto
+from hflow.utils.torch_functional import response_attention_mask
 
 __all__ = [
     "bootstrap_metric",
@@ -59,7 +60,7 @@ def _response_info(batch: DataProto) -> dict[str, torch.Tensor]:
     """Per-sample prompt and response lengths and the response mask, from the attention mask."""
     response_len = batch.batch["responses"].shape[-1]
     attention_mask = batch.batch["attention_mask"]
-    response_mask = batch.batch.get("response_mask", attention_mask[:, -response_len:])
+    response_mask = batch.batch.get("response_mask", response_attention_mask(attention_mask, batch.batch["responses"]))
     return {
         "response_mask": response_mask.bool(),
         "prompt_length": attention_mask[:, :-response_len].sum(-1).float(),

@@ -28,9 +28,10 @@ from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
 from hflow.config_schema import placement_pools, reuses_update_log_probs
-from hflow.trainer.ppo import dapo, reward_shaping
+from hflow.reward import dynamic_sampling as dapo
+from hflow.reward import shaping as reward_shaping
 from hflow.trainer.ppo.health import HealthWatch, UnhealthyRun, faults_at, poison_scores, zero_advantage_group_frac
-from hflow.workers.reward_manager.dapo import GENERATED_RESPONSE_MASK
+from hflow.reward.managers.dapo import GENERATED_RESPONSE_MASK
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -231,7 +232,7 @@ class RayPPOTrainer:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.use_rm:
             if self.config.reward_model.style == "generative":  # a chat model judges, on its own vLLM engine
-                from hflow.workers.generative_judge import GenerativeRewardModelWorker as RewardModelWorker
+                from hflow.reward.judge_worker import GenerativeRewardModelWorker as RewardModelWorker
             roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
         self.worker_group = make_worker_group(trainer_cfg, create_colocated_worker_cls(roles), train_nodes,
                                               name="train_pool")
@@ -606,7 +607,7 @@ class RayPPOTrainer:
         The reward model (its scores normalised when `reward_model.normalize` is on) and `reward_fn` see
         each response cut after `algorithm.stop_token`; a response without it then scores
         `algorithm.missing_stop_penalty` (when set). DAPO's soft overlong penalty, when on, is `reward_fn`'s
-        (the training reward manager's; see `hflow.workers.reward_manager.dapo`). `batch` stays as generated.
+        (the training reward manager's; see `hflow.reward.managers.dapo`). `batch` stays as generated.
         """
         view, has_stop = batch, None
         if self.stop_token_id is not None:

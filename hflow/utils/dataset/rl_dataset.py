@@ -68,7 +68,7 @@ class RLHFDataset(Dataset):
     ) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
-        self.files = _resolve_files(data_files, files_key)
+        self.files = resolve_files(data_files, files_key)
         self.prompt_key = config.prompt_key
         self.reward_fn_key = config.reward_fn_key
         self.max_prompt_length = int(config.max_prompt_length)
@@ -333,7 +333,8 @@ def _unreadable(path: str | os.PathLike, files_key: str, err: Exception) -> Data
                      "write it with pandas' DataFrame.to_parquet or pyarrow.parquet.write_table")
 
 
-def _resolve_files(data_files: Any, files_key: str) -> list[str]:
+def resolve_files(data_files: Any, files_key: str) -> list[str]:
+    """The parquet paths of a data key (one path or a list), each checked to exist; errors name `files_key`."""
     if data_files is None or (not isinstance(data_files, (str, os.PathLike)) and len(data_files) == 0):
         raise ConfigError(f"{files_key} is not set; give a parquet file or a list of parquet files")
     paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hflow.utils.dataset.rl_dataset import _resolve_files, apply_chat_template, read_parquet
+from hflow.utils.dataset.rl_dataset import resolve_files, apply_chat_template, read_parquet
 from hflow.utils.errors import ConfigError, DataError
 
 __all__ = ["PreferenceDataset", "SFTDataset", "encode_turn", "sft_collate_fn", "preference_collate_fn"]
@@ -98,7 +98,7 @@ class SFTDataset(Dataset):
         self.tokenizer = tokenizer
         self.rows: list[tuple[list[int], list[int]]] = []
         _use_chat_template(tokenizer, config.chat_template)
-        for path in _resolve_files(data_files, files_key):
+        for path in resolve_files(data_files, files_key):
             self._read(path, files_key, config)
         if not self.rows:
             raise DataError(f"{files_key}: no rows in {data_files}")
@@ -184,7 +184,7 @@ class PreferenceDataset(Dataset):
         _use_chat_template(tokenizer, config.chat_template)
         self.groups: list[tuple[list[list[int]], int]] = []
         self.num_dropped_ties = 0
-        for path in _resolve_files(data_files, files_key):
+        for path in resolve_files(data_files, files_key):
             self._read(path, files_key, config)
         sizes = {len(seqs) for seqs, _ in self.groups}
         if len(sizes) > 1:

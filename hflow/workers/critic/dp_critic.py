@@ -26,7 +26,7 @@ from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, compute_value_loss
 from hflow.utils.fsdp_utils import clip_grad_norm_and_step, no_grad_pass
 from hflow.utils.packing import pack_micro_batch
-from hflow.utils.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
+from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import masked_mean
 from hflow.workers.actor.dp_actor import StepMetrics, response_mask_of
 from hflow.workers.critic.base import BasePPOCritic

@@ -135,7 +135,7 @@ class _WaveEngine(TurnEngine):
         self.pad_token_id = int(pad_token_id)
         self.queue: list[tuple[int, list[int], int]] = []
 
-    def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+    def add_turn(self, key: int, ids: list[int], max_tokens: int) -> None:
         self.queue.append((key, ids, max_tokens))
 
     def busy(self) -> bool:

@@ -223,7 +223,7 @@ class vLLMRollout(BaseRollout):
         """One request per sample on the streaming engine (which records each token's version)."""
         rows = [ids for ids in prompt_token_ids(prompts) for _ in range(n)]
         for key, ids in enumerate(rows):
-            engine.submit(key, ids, self.response_length)
+            engine.add_turn(key, ids, self.response_length)
         finished: dict[int, TurnResult] = {}
         while engine.busy():
             finished.update((result.key, result) for result in engine.poll())
@@ -328,7 +328,7 @@ class _StreamingEngine(TurnEngine):
         self.count = 0
         self.interrupted = 0  # requests stopped by a weight update and continued with the new weights
 
-    def submit(self, key: int, ids: list[int], max_tokens: int) -> None:
+    def add_turn(self, key: int, ids: list[int], max_tokens: int) -> None:
         self._add(_Turn(key, list(ids), max_tokens))
 
     def _add(self, turn: _Turn) -> None:
