@@ -2,6 +2,7 @@
 below. Checked on the source, so a new upward import fails here rather than in a review.
 
     trainer -> workers -> single_controller / protocol -> config_schema / algorithms / utils
+    workers -> workers/fsdp (the engine: models, FSDP2, checkpoints) -> utils
     workers -> agent (the multi-turn loop, tools) -> utils -> sandbox (stdlib only)
 """
 
@@ -17,9 +18,14 @@ FORBIDDEN = {
     "algorithms": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "config_schema.py": ("hflow.trainer", "hflow.workers", "hflow.single_controller", "hflow.protocol"),
     "utils": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
-    "protocol.py": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
+    "protocol": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "single_controller": ("hflow.trainer", "hflow.workers"),
     "workers": ("hflow.trainer",),
+    # the workers' engine (model loading, FSDP2, checkpoints): below the workers that use it
+    "workers/fsdp": ("hflow.trainer", "hflow.single_controller", "hflow.agent", "hflow.protocol",
+                     "hflow.workers.fsdp_workers", "hflow.workers.supervised_workers", "hflow.workers.actor",
+                     "hflow.workers.critic", "hflow.workers.rollout", "hflow.workers.sharding_manager",
+                     "hflow.workers.reward_manager"),
     "agent": ("hflow.trainer", "hflow.workers", "hflow.single_controller"),
     "sandbox": ("hflow.trainer", "hflow.workers", "hflow.single_controller", "hflow.agent", "hflow.utils",
                 "hflow.protocol", "hflow.config_schema", "hflow.algorithms", "hflow.tasks"),
