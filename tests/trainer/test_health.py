@@ -22,7 +22,7 @@ from hflow.config_schema import ConfigError, default_config
 from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
 from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
                                       zero_advantage_group_frac)
-from hflow.utils.snapshot import HostSnapshot
+from hflow.workers.fsdp.snapshot import HostSnapshot
 from tests.trainer.learning import VAL_KEY
 
 STEPS = 7
