@@ -663,7 +663,7 @@ def check_positive(value: Any, key: str) -> None:
         raise ConfigError(f"{key} must be a positive integer, got {value}")
 
 
-WARMUP_STYLES = ("constant", "cosine")  # hflow.utils.fsdp_utils.build_lr_scheduler
+WARMUP_STYLES = ("constant", "cosine")  # hflow.workers.fsdp.build_lr_scheduler
 
 
 def check_optim(optim: Any, prefix: str) -> None:
