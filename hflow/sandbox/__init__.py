@@ -49,22 +49,34 @@ Remote backend (`RemoteSandbox`): a Sandbox Fusion server's ``/run_code``; see i
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from hflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult
+from hflow.sandbox.check import IsolationReport, SandboxUnavailable, require_isolation
+from hflow.sandbox.config import SandboxConfig
+from hflow.sandbox.isolation import ALLOW_UNISOLATED_ENV, REQUIRED_ISOLATION, missing_isolation
 from hflow.sandbox.local import LocalSandbox, run_code, sandbox_capabilities
 from hflow.sandbox.remote import RemoteSandbox
 
 __all__ = [
+    "ALLOW_UNISOLATED_ENV",
+    "IsolationReport",
     "LocalSandbox",
+    "REQUIRED_ISOLATION",
     "RemoteSandbox",
     "Sandbox",
+    "SandboxConfig",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "make_sandbox",
+    "missing_isolation",
+    "require_isolation",
     "run_code",
     "sandbox_capabilities",
+    "sandbox_env",
 ]
 
 _LIMIT_KEYS = tuple(field.name for field in dataclasses.fields(SandboxLimits))
@@ -75,12 +87,13 @@ _BACKENDS = ("local", "remote")
 def make_sandbox(config: Mapping[str, Any] | None = None) -> Sandbox:
     """A sandbox from a config mapping (e.g. a YAML section).
 
-    Keys: ``backend`` ("local", the default, or "remote"); for remote, ``url`` (the full endpoint) and
-    optionally ``timeout_s``, ``max_retries``, ``backoff_s``; and any `SandboxLimits` field. A key set
-    to None counts as absent.
+    Keys: ``backend`` ("local", the default, or "remote"); for local, ``allow_unisolated`` (run even
+    where the isolation it needs is missing; default: refuse, see `LocalSandbox`); for remote, ``url``
+    (the full endpoint) and optionally ``timeout_s``, ``max_retries``, ``backoff_s``; and any
+    `SandboxLimits` field. A key set to None counts as absent.
     """
     config = {key: value for key, value in dict(config or {}).items() if value is not None}
-    known = ("backend", *_REMOTE_KEYS, *_LIMIT_KEYS)
+    known = ("backend", "allow_unisolated", *_REMOTE_KEYS, *_LIMIT_KEYS)
     for key in config:
         if key not in known:
             raise ValueError(f"unknown sandbox config key {key!r}; the keys are {list(known)}")
@@ -88,10 +101,22 @@ def make_sandbox(config: Mapping[str, Any] | None = None) -> Sandbox:
     if backend not in _BACKENDS:
         raise ValueError(f"sandbox backend={backend!r}; choose one of {list(_BACKENDS)}")
     limits = SandboxLimits(**{key: config.pop(key) for key in _LIMIT_KEYS if key in config})
+    allow_unisolated = config.pop("allow_unisolated", None)
+    if allow_unisolated is not None and not isinstance(allow_unisolated, bool):
+        raise ValueError(f"sandbox allow_unisolated={allow_unisolated!r}; give true or false")
     if backend == "local":
         if config:
             raise ValueError(f"sandbox keys {sorted(config)} apply to backend='remote' only; remove them or set it")
-        return LocalSandbox(limits)
+        return LocalSandbox(limits, allow_unisolated=allow_unisolated)
+    if allow_unisolated is not None:
+        raise ValueError("sandbox allow_unisolated applies to backend='local' only (a remote server isolates "
+                         "the code itself); remove it")
     if "url" not in config:
         raise ValueError("sandbox backend='remote' needs url, the full endpoint (e.g. http://host:8080/run_code)")
     return RemoteSandbox(config.pop("url"), limits=limits, **config)
+
+
+def sandbox_env() -> dict[str, str]:
+    """The environment a trainer's worker processes need to follow its sandbox decision: ``{ALLOW_UNISOLATED_ENV:
+    "1"}`` once `require_isolation` allowed unisolated code in this process, else nothing (so they refuse it)."""
+    return {ALLOW_UNISOLATED_ENV: os.environ[ALLOW_UNISOLATED_ENV]} if ALLOW_UNISOLATED_ENV in os.environ else {}
