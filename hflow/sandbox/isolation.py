@@ -35,8 +35,9 @@ ALLOW_UNISOLATED_ENV = "HFLOW_SANDBOX_ALLOW_UNISOLATED"
 
 # Where each way out is set, by who asks; {remote} and {allow} are filled in.
 _REMOTE_HINTS = {
-    "config": "the python tool's `config: {backend: remote, url: http://HOST:8080/run_code}` in its tool YAML "
-              "(actor_rollout_ref.rollout.multi_turn.tool_config_path)",
+    "config": "for the python tool, `config: {backend: remote, url: http://HOST:8080/run_code}` in its tool YAML "
+              "(actor_rollout_ref.rollout.multi_turn.tool_config_path); code rewards have no remote sandbox of "
+              "their own: score them with a reward server (custom_reward_function.url) on a machine that isolates",
     "cli": "--url http://HOST:8080/run_code",
 }
 _ALLOW_HINTS = {
