@@ -34,11 +34,17 @@ root: all of the below hold; `sandbox_capabilities()` reports them for the machi
   20 ms and kills them all past max_processes ("processes"); run as root it has a real-time priority
   so a fork bomb cannot starve it (measured: a ``while True: os.fork()`` ends in about 0.1 s).
 
-Without namespaces (EPERM, e.g. Docker's default seccomp profile): no network isolation
-(``network_isolated=False``), the code can write wherever our uid can and read other processes of our
-uid in /proc (their environ included), RLIMIT_NPROC counts all of our uid's processes (set to what it
-has now plus max_processes; not enforced for root), and a process that leaves the process group
-(setsid) survives the kill. The rlimits, the wall time, the fresh work dir and the environment hold.
+Fail closed: without the user, network (unless ``network=True``), read-only mount and pid namespaces
+(`REQUIRED_ISOLATION`; EPERM, e.g. Docker's default seccomp profile), the launcher refuses to start the
+code and the run ends as "sandbox_error" with a message naming what is missing and the ways out (a remote
+sandbox, a privileged container or a kernel that allows them, or ``allow_unisolated``). Preflight asks
+before a run with `require_isolation` (see `hflow.sandbox.check`). Only with ``allow_unisolated`` (the
+argument, the `make_sandbox` key, or ``HFLOW_SANDBOX_ALLOW_UNISOLATED=1``) does the code run without
+them, warned once per process, and then: no network isolation (``network_isolated=False``), the code can
+write wherever our uid can and read other processes of our uid in /proc (their environ included),
+RLIMIT_NPROC counts all of our uid's processes (set to what it has now plus max_processes; not enforced
+for root), and a process that leaves the process group (setsid) survives the kill. The rlimits, the wall
+time, the fresh work dir and the environment hold.
 
 Not limited anywhere: the total of disk the code writes in its work dir (RLIMIT_FSIZE is per file),
 memory summed over its processes (RLIMIT_AS is per process), CPU summed over its processes.
