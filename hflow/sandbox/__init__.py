@@ -40,8 +40,8 @@ code and the run ends as "sandbox_error" with a message naming what is missing a
 sandbox, a privileged container or a kernel that allows them, or ``allow_unisolated``). Preflight asks
 before a run with `require_isolation` (see `hflow.sandbox.check`). Only with ``allow_unisolated`` (the
 argument, the `make_sandbox` key, or ``HFLOW_SANDBOX_ALLOW_UNISOLATED=1``) does the code run without
-them, warned once per process, and then: no network isolation (``network_isolated=False``), the code can
-write wherever our uid can and read other processes of our uid in /proc (their environ included),
+them, warned once per process, and then: no network isolation (``network_isolated=False``), the code
+keeps our uid's capabilities (as root: all of them) and can write wherever our uid can and read other processes of our uid in /proc (their environ included),
 RLIMIT_NPROC counts all of our uid's processes (set to what it has now plus max_processes; not enforced
 for root), and a process that leaves the process group (setsid) survives the kill. The rlimits, the wall
 time, the fresh work dir and the environment hold.
