@@ -35,6 +35,7 @@ from hflow.sandbox import (
 )
 from hflow.sandbox import isolation, local
 from tests.sandbox import no_namespaces
+from tests.sandbox.refusal import refuse_namespaces
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(cpu_time_s=2, wall_time_s=3, memory_mb=256, max_processes=8)
@@ -464,16 +465,10 @@ needs_seccomp = pytest.mark.skipif(not no_namespaces.supported(), reason="the se
 def refused(request, tmp_path_factory, monkeypatch):
     """The sandbox's launcher runs under a seccomp filter that makes unshare(2) fail with EPERM (as under
     Docker's default profile; `request.param` "all", or "mount_pid": only the mount and pid namespaces
-    refused). Nothing else changes: the launcher asks and the kernel says no. Capabilities are measured
-    again inside and after."""
+    refused). Nothing else changes: the launcher asks and the kernel says no."""
     mode = getattr(request, "param", "all")
-    wrapper = no_namespaces.launcher_wrapper(tmp_path_factory.mktemp("wrapper"), local._LAUNCHER, mode)
-    monkeypatch.setattr(local, "_LAUNCHER", str(wrapper))
-    monkeypatch.setattr(isolation, "_warned", set())  # each test sees its own first warning
-    monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
-    local._measure_capabilities.cache_clear()
-    yield mode
-    local._measure_capabilities.cache_clear()
+    refuse_namespaces(monkeypatch, tmp_path_factory.mktemp("wrapper"), mode)
+    return mode
 
 
 MISSING = {  # what each refusal leaves out, in REQUIRED_ISOLATION's order
@@ -588,15 +583,14 @@ def test_require_isolation_fails_closed(refused, tmp_path, capsys):
     assert all(isolation.REQUIRED_ISOLATION[key] in message for key in MISSING["all"])
     assert "backend: remote, url:" in message and "privileged container" in message
     assert "sandbox.allow_unisolated=true" in message
-    assert ALLOW_UNISOLATED_ENV not in os.environ
+    assert os.environ[ALLOW_UNISOLATED_ENV] == "0"  # not switched on for the processes started later
     # A sandbox that allows it itself passes; the other still stops the run.
     with pytest.raises(SandboxUnavailable, match="code rewards"):
         require_isolation({"tool": LocalSandbox(allow_unisolated=True), "code rewards": LocalSandbox()})
 
 
 @needs_seccomp
-def test_require_isolation_allowed_warns_and_records(refused, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "0")  # restored afterwards; "0" does not allow
+def test_require_isolation_allowed_warns_and_records(refused, tmp_path, capsys):
     report = require_isolation({"code rewards": LocalSandbox()}, allow_unisolated=True)
     assert report.unisolated == {"code rewards": MISSING["all"]}
     assert "WARNING" in capsys.readouterr().err and "code rewards" in report.warning

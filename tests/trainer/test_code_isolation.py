@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from hflow.config_schema import ConfigError, default_config
-from hflow.sandbox import ALLOW_UNISOLATED_ENV, LocalSandbox, RemoteSandbox, isolation, local
+from hflow.sandbox import LocalSandbox, RemoteSandbox, isolation, local
 from hflow.trainer.code_isolation import check_code_isolation, code_sandboxes
-from tests.sandbox import no_namespaces
+from tests.sandbox.refusal import refuse_namespaces
 
 PYTHON_TOOLS = """
 tools:
@@ -23,15 +23,7 @@ tools:
 
 @pytest.fixture
 def refused(tmp_path, monkeypatch):
-    if not no_namespaces.supported():
-        pytest.skip("the seccomp wrapper knows x86_64 and aarch64")
-    wrapper = no_namespaces.launcher_wrapper(tmp_path, local._LAUNCHER)
-    monkeypatch.setattr(local, "_LAUNCHER", str(wrapper))
-    monkeypatch.setattr(isolation, "_warned", set())
-    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "0")  # restored afterwards; "0" does not allow
-    local._measure_capabilities.cache_clear()
-    yield
-    local._measure_capabilities.cache_clear()
+    refuse_namespaces(monkeypatch, tmp_path)
 
 
 def write_data(path, sources):
