@@ -89,7 +89,11 @@ def require_isolation(sandboxes: Mapping[str, Sandbox], *, allow_unisolated: boo
             report.sandboxes[used_by] = type(sandbox).__name__  # someone else's: nothing to measure
             continue
         report.sandboxes[used_by] = "local"
-        missing = missing_isolation(sandbox_capabilities(), sandbox.limits.network)
+        try:
+            capabilities = sandbox_capabilities()
+        except RuntimeError as err:  # not even a trivial program runs (no fork, no temporary folder, ...)
+            raise SandboxUnavailable(f"{err} ({used_by})") from None
+        missing = missing_isolation(capabilities, sandbox.limits.network)
         if not missing:
             continue
         if allow_unisolated or sandbox.allow_unisolated:

@@ -698,3 +698,12 @@ def test_cli_refuses_without_namespaces_unless_allowed(tmp_path):
                           timeout=60)
     assert done.returncode == 0 and json.loads(done.stdout)["stdout"] == "ran\n" and marker.exists()
     assert "WARNING: model-written code runs WITHOUT isolation" in done.stderr
+
+
+def test_require_isolation_when_nothing_runs(monkeypatch):
+    def broken():
+        raise RuntimeError("the local sandbox cannot run a trivial program here: no fork")
+
+    monkeypatch.setattr(local, "_measure_capabilities", broken)
+    with pytest.raises(SandboxUnavailable, match=r"cannot run a trivial program here: no fork \(the python tool\)"):
+        require_isolation({"the python tool": LocalSandbox()})
