@@ -7,7 +7,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import SCHEMAS, ConfigError, default_config, reuses_update_log_probs, validate_config
+from hflow.config_schema import ConfigError
+
+from hflow.trainer.config import SCHEMAS, default_config, reuses_update_log_probs, validate_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 

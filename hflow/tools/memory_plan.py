@@ -290,10 +290,10 @@ def _traced_components(peak: dict[str, int], role: str) -> dict[str, float]:
 def plan_memory(config: DictConfig, target: str | None = None, device_bytes: float | None = None) -> Plan:
     """The plan for `config` (composed and validated, model path filled in) on `target` ("cuda" or "cpu";
     None = this machine's device) with devices of `device_bytes` (None = `default_device_bytes`)."""
-    from hflow.config_schema import check_placement
+    from hflow.trainer.config import check_placement
     from hflow.utils import device
     from hflow.tools.memory_trace import PassSpec
-    from hflow.workers.config import GPU_MEMORY_UTILIZATION
+    from hflow.workers.rollout.config import GPU_MEMORY_UTILIZATION
 
     target = target or ("cuda" if device.is_cuda() else "cpu")
     device_bytes = float(device_bytes or default_device_bytes(config, target))
@@ -735,7 +735,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from hflow.config_schema import validate_config
+    from hflow.trainer.config import validate_config
     from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):

@@ -16,7 +16,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hflow.config_schema import SCHEMAS, ConfigError, check_override_key, default_config, validate_config
+from hflow.config_schema import ConfigError, check_override_key
+from hflow.trainer.config import SCHEMAS, default_config, validate_config
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env
@@ -38,7 +39,7 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     """Point unset data and model paths at the built-in task and model (generated on first use).
 
     With both the built-in data and model, the settings of `config/builtin_task.yaml` replace the
-    shipped defaults (`hflow.config_schema`, the same as `ppo_trainer.yaml`): never a key given on the
+    shipped defaults (`hflow.trainer.config`, the same as `ppo_trainer.yaml`): never a key given on the
     command line (`user_keys`), nor a value that differs from the shipped default.
 
     With `actor_rollout_ref.rollout.multi_turn.enable`, the built-in task is the agentic one

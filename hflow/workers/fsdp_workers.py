@@ -24,7 +24,8 @@ from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
-from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
+from hflow.workers.config import normalize_actor_rollout_ref, normalize_reward_model
+from hflow.workers.critic.config import normalize_critic
 from hflow.workers.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 

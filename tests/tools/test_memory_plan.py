@@ -13,7 +13,9 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import ConfigError, validate_config
+from hflow.config_schema import ConfigError
+
+from hflow.trainer.config import validate_config
 from hflow.tools import memory_plan as mp
 from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
 

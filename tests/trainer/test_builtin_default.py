@@ -49,7 +49,7 @@ def test_builtin_settings_never_replace_what_the_user_gave():
 def test_builtin_settings_fit_one_node_of_any_usual_size(nodes, devices):
     """`trainer.n_gpus_per_node=8` (on one or two nodes) with nothing else must pass preflight: the
     built-in micro-batch divides every rank's share of a step."""
-    from hflow.config_schema import validate_config
+    from hflow.trainer.config import validate_config
     from hflow.trainer.main_ppo import fill_builtin_defaults
     from hflow.trainer.preflight import preflight_check
 

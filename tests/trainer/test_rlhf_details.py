@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from hflow.algorithms import core_algos
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.trainer.ppo import reward_shaping
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty

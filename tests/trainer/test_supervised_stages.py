@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import SFTTrainerConfig, RMTrainerConfig, default_config
+from hflow.trainer.config import SFTTrainerConfig, RMTrainerConfig, default_config
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.trainer.supervised_trainer import run_stage
 from hflow.tasks.builtin_task import ensure_builtin_assets

@@ -344,7 +344,7 @@ def test_registry(monkeypatch):
 def test_the_example_reward_function_loads_and_scores():
     from pathlib import Path
 
-    from hflow.config_schema import default_config
+    from hflow.trainer.config import default_config
     from hflow.workers.reward_manager import get_custom_reward_fn
 
     example = Path(__file__).resolve().parents[2] / "examples" / "reward_functions" / "length_penalty.py"
