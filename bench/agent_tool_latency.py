@@ -70,7 +70,7 @@ def build_rollout(samples: int, workdir: Path):
     from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoTokenizer
 
-    from hflow.config_schema import default_config
+    from hflow.trainer.config import default_config
     from hflow.tasks.builtin_task import ensure_builtin_assets, builtin_problems
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
 

@@ -29,7 +29,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hflow.config_schema import default_config  # noqa: E402
+from hflow.trainer.config import default_config  # noqa: E402
 from hflow.tasks.judge_task import ensure_judge_assets, judge_pairs  # noqa: E402
 from hflow.reward.judge_worker import VLLMJudge  # noqa: E402
 

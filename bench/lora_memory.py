@@ -58,7 +58,7 @@ def measure(model_path: str, setting: str, steps: int) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from hflow.config_schema import default_config
+    from hflow.trainer.config import default_config
     from hflow.workers.fsdp import apply_lora, build_optimizer, load_causal_lm
     from hflow.workers.fsdp.lora import add_lora
 

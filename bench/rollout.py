@@ -62,7 +62,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     """Runs in the child process."""
     import torch
     import torch.distributed as dist
-    from hflow.config_schema import default_section
+    from hflow.trainer.config import default_section
     from hflow.protocol import DataProto
     from hflow.single_controller.base.worker import get_free_port
     from hflow.workers import fsdp

@@ -50,7 +50,7 @@ def build_actor(model_path: str, rows: int, mesh, fsdp_on_one_rank: bool):
     import torch
     from omegaconf import OmegaConf
 
-    from hflow.config_schema import default_config
+    from hflow.trainer.config import default_config
     from hflow.workers.fsdp import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
     from hflow.workers.actor.dp_actor import DataParallelPPOActor
 

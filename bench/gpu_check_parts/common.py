@@ -86,7 +86,7 @@ def actor_config(**overrides):
     `ppo_mini_batch_size_per_rank`, in sequences), with `overrides`."""
     from omegaconf import OmegaConf
 
-    from hflow.config_schema import default_section
+    from hflow.trainer.config import default_section
     from hflow.workers.config import resolved_copy
 
     config = resolved_copy(default_section("actor_rollout_ref.actor"))

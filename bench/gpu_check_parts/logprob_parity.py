@@ -17,7 +17,7 @@ def run(part: Part, smoke: bool, workdir: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from hflow.config_schema import default_section
+    from hflow.trainer.config import default_section
     from hflow.protocol import DataProto
     from hflow.utils import device
     from hflow.tasks.builtin_task import ensure_builtin_assets

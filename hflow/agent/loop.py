@@ -31,38 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hflow.agent.chat import ToolMessageEncoder, truncate_text
+from hflow.agent.config import MultiTurnConfig
 from hflow.agent.parsers import ToolCallParser
 from hflow.agent.tools import BaseTool, ToolOutcome, malformed_outcome, run_tool_call, use_tool_threads
 
-__all__ = ["AgentLoop", "Episode", "MultiTurnSettings", "ToolRunner", "TurnEngine", "TurnResult", "agent_metrics",
+__all__ = ["AgentLoop", "Episode", "ToolRunner", "TurnEngine", "TurnResult", "agent_metrics",
            "final_assistant_text"]
 
 ENDINGS = ("answer", "length", "max_assistant_turns", "max_user_turns")
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    """`actor_rollout_ref.rollout.multi_turn` (None = no limit for the turn counts)."""
-
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
-    max_parallel_calls: int = 1
-    max_tool_response_length: int | None = 256  # characters of each tool result the model sees
-    tool_response_truncate_side: str = "middle"
-    tool_timeout_s: float = 30.0
-    max_concurrent_tools: int = 64
-
-    @classmethod
-    def from_config(cls, config: Any) -> MultiTurnSettings:
-        return cls(
-            max_assistant_turns=config.max_assistant_turns,
-            max_user_turns=config.max_user_turns,
-            max_parallel_calls=int(config.max_parallel_calls),
-            max_tool_response_length=config.max_tool_response_length,
-            tool_response_truncate_side=str(config.tool_response_truncate_side),
-            tool_timeout_s=float(config.tool_timeout_s),
-            max_concurrent_tools=int(config.max_concurrent_tools),
-        )
 
 
 @dataclass
@@ -175,14 +151,14 @@ class AgentLoop:
     def __init__(
         self,
         tokenizer: Any,
-        settings: MultiTurnSettings,
+        config: MultiTurnConfig,
         tools: Mapping[str, BaseTool],
         parser: ToolCallParser,
         response_length: int,
         tool_schemas: Sequence[dict] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.settings = settings
+        self.config = config  # rollout.multi_turn as validated (the dataclass or its DictConfig)
         self.tools = dict(tools)
         self.parser = parser
         self.response_length = int(response_length)
@@ -208,7 +184,7 @@ class AgentLoop:
         kwargs = tools_kwargs if tools_kwargs is not None else [{}] * len(prompts)
         episodes = [Episode(prompt_ids=list(p), tools_kwargs=dict(k or {})) for p, k in zip(prompts, kwargs)]
         runs_tools = agree is None or getattr(agree, "is_leader", True)
-        runner = ToolRunner(self.settings.max_concurrent_tools) if runs_tools else None
+        runner = ToolRunner(self.config.max_concurrent_tools) if runs_tools else None
         pending: dict[concurrent.futures.Future, int] = {}  # a turn's tool calls in flight -> its episode
         waiting: set[int] = set()  # episodes whose tool results are not back yet
         ready = list(range(len(episodes)))
@@ -274,14 +250,14 @@ class AgentLoop:
         text = self.tokenizer.decode(body, skip_special_tokens=False)
         parsed = self.parser.parse(text)
         episode.messages.append({"role": "assistant", "content": text})
-        settings = self.settings
+        config = self.config
         if not result.stopped:
             episode.ended = "length"
         elif not parsed.calls and not parsed.malformed:
             episode.ended = "answer"
-        elif settings.max_assistant_turns is not None and episode.assistant_turns >= settings.max_assistant_turns:
+        elif config.max_assistant_turns is not None and episode.assistant_turns >= config.max_assistant_turns:
             episode.ended = "max_assistant_turns"
-        elif settings.max_user_turns is not None and episode.user_turns >= settings.max_user_turns:
+        elif config.max_user_turns is not None and episode.user_turns >= config.max_user_turns:
             episode.ended = "max_user_turns"
         else:
             return parsed.calls, parsed.malformed
@@ -290,10 +266,10 @@ class AgentLoop:
     async def _run_calls(self, episode: Episode, calls: list, malformed: list[str]) -> list[tuple[Any, ToolOutcome]]:
         """The turn's tool calls, at most `max_parallel_calls` of them, concurrently: (call, outcome) each,
         in order: malformed blocks first (call None), then the calls (those over the limit get an error)."""
-        limit = self.settings.max_parallel_calls
+        limit = self.config.max_parallel_calls
         outcomes = [malformed_outcome(message) for message in malformed]
         outcomes += await asyncio.gather(*(
-            run_tool_call(self.tools, call, tools_kwargs=episode.tools_kwargs, timeout_s=self.settings.tool_timeout_s)
+            run_tool_call(self.tools, call, tools_kwargs=episode.tools_kwargs, timeout_s=self.config.tool_timeout_s)
             for call in calls[:limit]
         ))
         outcomes += [
@@ -306,7 +282,7 @@ class AgentLoop:
     def _add_tool_results(self, episode: Episode, results: list[tuple[Any, ToolOutcome]]) -> bool:
         """Record the calls and append the tool messages; False (and the episode ends) when the messages
         leave no room to answer."""
-        settings = self.settings
+        config = self.config
         outcomes = [outcome for _, outcome in results]
         for call, outcome in results:
             episode.tool_calls.append({
@@ -318,8 +294,8 @@ class AgentLoop:
                 "reward": outcome.reward,
             })
         messages = [
-            {"role": "tool", "content": truncate_text(o.text, settings.max_tool_response_length,
-                                                      settings.tool_response_truncate_side)}
+            {"role": "tool", "content": truncate_text(o.text, config.max_tool_response_length,
+                                                      config.tool_response_truncate_side)}
             for o in outcomes
         ]
         ids = self.encoder.encode(messages)

@@ -140,10 +140,10 @@ def _gib(value: float) -> str:
 def plan_memory(config: DictConfig, target: str | None = None, device_bytes: float | None = None) -> Plan:
     """The plan for `config` (composed and validated, model path filled in) on `target` ("cuda" or "cpu";
     None = this machine's device) with devices of `device_bytes` (None = `default_device_bytes`)."""
-    from hflow.config_schema import check_placement
+    from hflow.trainer.config import check_placement
     from hflow.utils import device
     from hflow.cli.memory_trace import PassSpec
-    from hflow.workers.config import GPU_MEMORY_UTILIZATION
+    from hflow.workers.rollout.config import GPU_MEMORY_UTILIZATION
 
     target = target or ("cuda" if device.is_cuda() else "cpu")
     device_bytes = float(device_bytes or default_device_bytes(config, target))
@@ -585,9 +585,9 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from hflow.config_schema import validate_config
     from hflow import CONFIG_DIR
     from hflow.tasks.defaults import fill_builtin_defaults
+    from hflow.trainer.config import validate_config
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = hydra_compose(config_name="ppo_trainer", overrides=overrides)

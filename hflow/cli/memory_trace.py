@@ -315,7 +315,8 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
     real run). An update is counted on its second step, when AdamW's moments exist."""
     from hflow.protocol import DataProto
     from hflow.workers import fsdp
-    from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic
+    from hflow.workers.config import normalize_actor_rollout_ref
+    from hflow.workers.critic.config import normalize_critic
 
     world = mesh.size()
     arr = config.actor_rollout_ref

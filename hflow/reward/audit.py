@@ -319,7 +319,7 @@ def load_reward(spec: str | None) -> tuple[Callable[..., Any], str]:
         return default_compute_score, "hflow.reward.score.default_compute_score"
     from omegaconf import open_dict
 
-    from hflow.config_schema import default_config
+    from hflow.trainer.config import default_config
     from hflow.reward.managers.loader import check_reward_fn_signature, get_custom_reward_fn
 
     path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "compute_score")

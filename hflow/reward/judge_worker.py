@@ -42,7 +42,6 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.config_schema import default_section
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, register
 from hflow.utils.device import is_cuda
@@ -51,6 +50,7 @@ from hflow.workers.config import normalize_reward_model
 from hflow.utils.torch_functional import last_valid_index, response_attention_mask
 from hflow.workers.common import load_tokenizer
 from hflow.workers.fsdp_workers import RewardModelWorker
+from hflow.workers.rollout.config import engine_section
 
 __all__ = ["GenerativeRewardModelWorker", "VLLMJudge"]
 
@@ -71,8 +71,7 @@ class VLLMJudge:
         self.max_prompt_length = int(judge.max_prompt_length)
         self.sleep_enabled = is_cuda() and bool(judge.free_cache_engine)
         dtype = str(judge.dtype)
-        config = default_section(
-            "actor_rollout_ref.rollout",
+        config = engine_section(
             prompt_length=self.max_prompt_length + 8,  # + the verdict word's tokens (yes_no)
             response_length=max(int(judge.max_new_tokens), 1),
             dtype="float32" if dtype == "auto" and not is_cuda() else dtype,

@@ -18,7 +18,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
-from hflow.config_schema import ConfigError, check_choice, check_offload, check_optim, check_positive
+from hflow.config_schema import ConfigError, check_choice, check_positive
+from hflow.workers.config import check_offload, check_optim
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs
 from hflow.trainer.checkpoints import StepCheckpoints
@@ -31,7 +32,9 @@ __all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
 
 def check_stage_config(config: DictConfig, stage: str) -> None:
     """Impossible settings of a supervised stage, before Ray starts or any model loads."""
-    from hflow.trainer.preflight import check_data_files, check_node_resources, check_resume
+    from hflow.trainer.config import check_resume
+    from hflow.trainer.preflight import check_node_resources
+    from hflow.utils.dataset.config import check_data_files
     from hflow.workers.config import check_model_path, check_tokenizer_path
 
     data, trainer = config.data, config.trainer
@@ -244,8 +247,8 @@ STAGES = {"sft": (SFTTrainer, "builtin_sft.yaml"), "rm": (RewardModelTrainer, "b
 def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> None:
     """Unset data and model paths point at the built-in RLHF task (`hflow.tasks.rlhf_task`) and the
     built-in model; with both, `config/builtin_<stage>.yaml` replaces the shipped defaults it names."""
-    from hflow.config_schema import SCHEMAS, default_config
     from hflow.tasks.defaults import fill_builtin_paths
+    from hflow.trainer.config import SCHEMAS, default_config
 
     def files() -> tuple[str, str]:
         from hflow.tasks.rlhf_task import ensure_rlhf_task_data
@@ -282,7 +285,7 @@ def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
 
 def run_stage(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
     """Check, build and train one supervised stage (`sft` or `rm`); returns the last validation metrics."""
-    from hflow.config_schema import SCHEMAS, validate_config
+    from hflow.trainer.config import SCHEMAS, validate_config
     from hflow.trainer.main_ppo import train
 
     config = validate_config(config, SCHEMAS[f"{stage}_trainer"])

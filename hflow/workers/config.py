@@ -1,5 +1,7 @@
-"""Per-rank normalisation of the worker configs: the rules of `hflow.config_schema`, applied with the
-group's real size.
+"""The workers' config sections and their rules: what every model section shares (`optim`, `fsdp_config`,
+`checkpoint`, the batch-size rules), `actor_rollout_ref` (model, actor, ref; the rollout section is
+`hflow.workers.rollout.config`'s) with its per-rank normalisation, and the reward model worker's.
+Typed defaults here; comments in `config/ppo_trainer.yaml`.
 
 Batch sizes are given globally in prompts (`ppo_mini_batch_size`) and per device in sequences
 (`*_micro_batch_size_per_gpu`). A worker of a group of `world_size` ranks trains on
@@ -8,28 +10,253 @@ Batch sizes are given globally in prompts (`ppo_mini_batch_size`) and per device
 
 cut into micro-batches of `ppo_micro_batch_size_per_gpu`. The user's keys keep their values; derived
 per-rank values get names of their own. Every impossible combination raises a `ConfigError` that names
-the keys to change (the trainer's preflight applies the same functions before it starts Ray).
+the keys to change (the trainer's preflight applies the same functions before it starts Ray, with the
+world size the trainer will use, so the two can never disagree).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.config_schema import (  # noqa: F401  (ConfigError and the rules are re-exported for the workers)
-    ROLLOUT_NAMES,
-    ConfigError,
-    check_choice,
-    check_micro_batch,
-    check_offload,
-    check_positive,
+from hflow.algorithms import core_algos
+from hflow.algorithms.config import KL_TYPES, LOSS_AGG_MODES
+from hflow.config_schema import WORLD_KEYS, ConfigError, check_choice, check_positive, ref
+from hflow.workers.rollout.config import (
+    RolloutConfig,
+    check_rollout_name,
     check_tensor_parallel,
-    per_rank_mini_batch,
+    resolve_gpu_memory_utilization,
 )
+
+WARMUP_STYLES = ("constant", "cosine")  # hflow.workers.fsdp.build_lr_scheduler
+
+
+# ==================================================================================================
+# What every model section shares
+# ==================================================================================================
+
+
+@dataclass
+class CheckpointConfig:
+    contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1  # negative = lr_warmup_steps_ratio x total steps
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: str = "constant"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
+    model_dtype: Optional[str] = None
+    mixed_precision: Optional[dict[str, Any]] = None
+
+
+def check_optim(optim: Any, prefix: str) -> None:
+    """An `optim` section that AdamW and the schedule accept (unchecked, a bad value fails in every worker
+    after Ray started, as torch's "Invalid learning rate", or silently trains nothing at lr=0)."""
+    if not float(optim.lr) > 0:
+        raise ConfigError(f"{prefix}.lr must be > 0 (e.g. 1e-6), got {optim.lr}")
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
+        raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (e.g. [0.9, 0.999]), got {betas}")
+    if float(optim.weight_decay) < 0:
+        raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay}")
+    check_choice(optim.warmup_style, WARMUP_STYLES, f"{prefix}.warmup_style")
+    for key in ("lr_warmup_steps_ratio", "min_lr_ratio"):
+        if not 0.0 <= float(optim[key]) <= 1.0:
+            raise ConfigError(f"{prefix}.{key} must be in [0, 1], got {optim[key]}")
+
+
+def check_offload(fsdp_config: Any, prefix: str) -> None:
+    """`offload_policy` (FSDP2's CPUOffloadPolicy: shards, gradients and optimizer step stay on the host)
+    excludes the per-phase switches, which move the same state to the device and back around each call."""
+    if not fsdp_config.offload_policy:
+        return
+    clashing = [f"{prefix}.{key}" for key in ("param_offload", "optimizer_offload") if fsdp_config.get(key)]
+    if clashing:
+        raise ConfigError(
+            f"{prefix}.offload_policy=true cannot be combined with {' and '.join(clashing)}=true: the policy "
+            "already keeps that state on the host; set one of them to false")
+
+
+def check_train_batch(batch_prompts: int, n: int, world_size: int) -> None:
+    """A training batch of `data.train_batch_size` prompts x `rollout.n` samples splits evenly over the ranks."""
+    if batch_prompts < 1:
+        raise ConfigError(f"data.train_batch_size must be >= 1, got {batch_prompts}")
+    if batch_prompts * n % world_size:
+        raise ConfigError(
+            f"data.train_batch_size ({batch_prompts}) x actor_rollout_ref.rollout.n ({n}) = {batch_prompts * n} "
+            f"sequences cannot be split evenly over {world_size} ranks ({WORLD_KEYS})")
+
+
+def check_mini_batch(mini_batch_prompts: int, batch_prompts: int, prefix: str) -> None:
+    """`<prefix>.ppo_mini_batch_size` prompts cut the training batch into whole mini-batches."""
+    check_positive(mini_batch_prompts, f"{prefix}.ppo_mini_batch_size")  # before dividing by it
+    if mini_batch_prompts > batch_prompts:
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size ({mini_batch_prompts}) is larger than data.train_batch_size "
+            f"({batch_prompts}); it counts prompts of one batch")
+    if batch_prompts % mini_batch_prompts:
+        raise ConfigError(
+            f"data.train_batch_size ({batch_prompts}) must be a multiple of {prefix}.ppo_mini_batch_size "
+            f"({mini_batch_prompts})")
+
+
+def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int, prefix: str, n_key: str) -> int:
+    """Sequences per rank in one optimizer step: ppo_mini_batch_size x n / ranks."""
+    if mini_batch_prompts is None or mini_batch_prompts <= 0:
+        raise ConfigError(f"{prefix}.ppo_mini_batch_size must be a positive number of prompts, got {mini_batch_prompts}")
+    sequences = mini_batch_prompts * n
+    if sequences % world_size:
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size ({mini_batch_prompts}) x {n_key} ({n}) = {sequences} sequences "
+            f"cannot be split evenly over {world_size} ranks ({WORLD_KEYS}); make it a multiple of {world_size}")
+    return sequences // world_size
+
+
+def check_micro_batch(per_rank_mini: int, micro: Any, prefix: str, key: str, use_dynamic_bsz: bool) -> None:
+    """Micro-batches of `<prefix>.<key>` sequences cut the per-rank mini-batch evenly (unless cut by tokens)."""
+    if use_dynamic_bsz:
+        return
+    if micro is None or int(micro) <= 0:
+        raise ConfigError(f"{prefix}.{key} must be a positive number of sequences (or set {prefix}.use_dynamic_bsz)")
+    if per_rank_mini % int(micro):
+        raise ConfigError(
+            f"{prefix}.{key} ({micro}) must divide the per-rank mini-batch of {per_rank_mini} sequences "
+            f"({prefix}.ppo_mini_batch_size x rollout.n / ranks); change one of them")
+
+
+def check_update_batches(section: Any, batch_prompts: int, n: int, world_size: int, prefix: str, n_key: str) -> None:
+    """A trained model's (`actor`, `critic`) mini- and micro-batches against the training batch and the ranks."""
+    check_mini_batch(section.ppo_mini_batch_size, batch_prompts, prefix)
+    per_rank = per_rank_mini_batch(section.ppo_mini_batch_size, n, world_size, prefix, n_key)
+    check_micro_batch(per_rank, section.ppo_micro_batch_size_per_gpu, prefix, "ppo_micro_batch_size_per_gpu",
+                      section.use_dynamic_bsz)
+
+
+# ==================================================================================================
+# actor_rollout_ref: the policy's model, its actor and its reference (the rollout: hflow.workers.rollout.config)
+# ==================================================================================================
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None
+    use_remove_padding: bool = False  # actor/ref forwards on the valid tokens packed into one row
+    lora_rank: int = 0  # LoRA (PEFT) adapters of this rank on the actor; 0 = train every weight
+    lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
+    target_modules: Any = "all-linear"  # the linears that get adapters: "all-linear" or a list of module names
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+
+
+@dataclass
+class PtxConfig:
+    coef: float = 0.0  # PPO-ptx weight of the pre-training LM loss; 0 = off
+    files: Any = ref("data.ptx_files")
+    text_key: str = ref("data.ptx_text_key")
+    batch_size_per_gpu: int = 8  # texts each rank adds to every optimizer step
+    micro_batch_size_per_gpu: int = 8  # texts per forward/backward
+    max_length: int = 512  # tokens per text
+    seed: int = ref("data.seed")
+
+
+@dataclass
+class EMAConfig:
+    enable: bool = False  # an EMA of the actor's weights, checkpointed and exported
+    decay: float = 0.992
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (global)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one device
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ptx: PtxConfig = field(default_factory=PtxConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RefFSDPConfig:
+    param_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+def check_actor_losses(actor: Any) -> None:
+    """`actor.loss_agg_mode`, `.policy_loss.loss_mode` and (with `use_kl_loss`) `.kl_loss_type`: names the
+    algorithms know."""
+    check_choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
+    try:
+        core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode: {err}") from None
+    if actor.use_kl_loss:
+        check_choice(actor.kl_loss_type.removesuffix("+"), KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
 
 
 def resolved_copy(config: Any) -> DictConfig:
@@ -75,22 +302,6 @@ def check_tokenizer_path(model: Any, prefix: str) -> None:
                           f"tokenizer's files there{hint}")
 
 
-# vLLM's share of each device when `rollout.gpu_memory_utilization` is null: half of it beside the training
-# models that take turns with the engine (colocated), most of it on a device of the engine's own (the rollout
-# pool of `trainer.placement=split`), leaving room for CUDA graphs and the weight stream's buffer.
-GPU_MEMORY_UTILIZATION = {"colocated": 0.5, "own_device": 0.9}
-
-
-def resolve_gpu_memory_utilization(value: Any, own_device: bool, key: str) -> float:
-    """`rollout.gpu_memory_utilization`: the user's fraction, or for null the default of where the engine
-    runs (`GPU_MEMORY_UTILIZATION`)."""
-    if value is None:
-        return GPU_MEMORY_UTILIZATION["own_device" if own_device else "colocated"]
-    if not 0.0 < float(value) <= 1.0:
-        raise ConfigError(f"{key} must be in (0, 1] (a fraction of each device's memory) or null, got {value}")
-    return float(value)
-
-
 def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, own_device: bool = False) -> DictConfig:
     """Check the `actor_rollout_ref` subtree for `role` and turn global batch sizes into per-rank ones.
     `own_device`: the rollout engine has its devices to itself (a standalone engine of the rollout pool)."""
@@ -118,7 +329,7 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
         cfg.rollout.gpu_memory_utilization, own_device, f"{prefix}.rollout.gpu_memory_utilization")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
         check_tensor_parallel(int(cfg.rollout.tensor_model_parallel_size), world_size)
-        check_choice(cfg.rollout.name, ROLLOUT_NAMES, f"{prefix}.rollout.name")
+        check_rollout_name(cfg.rollout.name)
         if not cfg.rollout.log_prob_use_dynamic_bsz:
             check_positive(cfg.rollout.log_prob_micro_batch_size_per_gpu,
                            f"{prefix}.rollout.log_prob_micro_batch_size_per_gpu")
@@ -127,7 +338,7 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
     if role != "ref":  # every other role builds the actor's model
         check_offload(cfg.actor.fsdp_config, f"{prefix}.actor.fsdp_config")
     # The model-level flag, where DataParallelPPOActor reads it (the actor and the reference share it).
-    cfg.actor.use_remove_padding = cfg.ref.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
+    cfg.actor.use_remove_padding = cfg.ref.use_remove_padding = bool(cfg.model.use_remove_padding)
     if role in ("ref", "actor_rollout_ref"):
         check_offload(cfg.ref.fsdp_config, f"{prefix}.ref.fsdp_config")
     return cfg
@@ -153,7 +364,7 @@ def check_lora(arr: Any, prefix: str) -> None:
     """`model.lora_rank` is 0 (off) or positive, with an alpha and targets; the EMA of the weights is not
     kept for adapters."""
     model = arr.model
-    rank = int(model.get("lora_rank", 0) or 0)
+    rank = int(model.lora_rank)
     if rank < 0:
         raise ConfigError(f"{prefix}.model.lora_rank must be >= 0 (0 = no LoRA), got {rank}")
     if rank == 0:
@@ -169,35 +380,6 @@ def check_lora(arr: Any, prefix: str) -> None:
 def check_ema(ema: Any, prefix: str) -> None:
     if ema.enable and not 0.0 <= float(ema.decay) < 1.0:
         raise ConfigError(f"{prefix}.decay must be in [0, 1), got {ema.decay}")
-
-
-def check_value_head(model: Any, prefix: str) -> None:
-    """`value_head_init` is a known choice; a reward model's folder as the critic has one label."""
-    from hflow.workers.fsdp import VALUE_HEAD_INITS, is_sequence_classifier
-
-    check_choice(model.value_head_init, VALUE_HEAD_INITS, f"{prefix}.value_head_init")
-    config_file = Path(str(model.path)).expanduser() / "config.json"
-    folder_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    labels = len(folder_config.get("id2label") or {}) or folder_config.get("num_labels", 1)
-    if is_sequence_classifier(folder_config) and labels != 1:
-        raise ConfigError(f"{prefix}.path={model.path} is a sequence classifier with {labels} labels; a critic can "
-                          "start from a reward model with one label (num_labels=1) only")
-
-
-def normalize_critic(config: DictConfig, world_size: int) -> DictConfig:
-    cfg = resolved_copy(config)
-    check_model_path(cfg.model.path, "critic.model.path")
-    check_value_head(cfg.model, "critic.model")
-    cfg.ppo_mini_batch_size_per_rank = per_rank_mini_batch(
-        cfg.ppo_mini_batch_size, int(cfg.rollout_n), world_size, "critic", "critic.rollout_n")
-    check_micro_batch(cfg.ppo_mini_batch_size_per_rank, cfg.ppo_micro_batch_size_per_gpu, "critic",
-                      "ppo_micro_batch_size_per_gpu", cfg.use_dynamic_bsz)
-    if not cfg.use_dynamic_bsz:
-        check_positive(cfg.forward_micro_batch_size_per_gpu, "critic.forward_micro_batch_size_per_gpu")
-    check_positive(cfg.ppo_epochs, "critic.ppo_epochs")
-    check_offload(cfg.model.fsdp_config, "critic.model.fsdp_config")
-    cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))  # where DataParallelPPOCritic reads it
-    return cfg
 
 
 def normalize_reward_model(config: DictConfig) -> DictConfig:

@@ -25,7 +25,8 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.torch_functional import last_valid_index, response_attention_mask
 from hflow.workers.common import load_tokenizer, memory_metrics
-from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
+from hflow.workers.config import normalize_actor_rollout_ref, normalize_reward_model
+from hflow.workers.critic.config import normalize_critic
 from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.fsdp.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights

@@ -13,10 +13,11 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import ConfigError, validate_config
-from hflow.cli import memory_facts, memory_plan as mp
 from hflow import CONFIG_DIR
+from hflow.cli import memory_facts, memory_plan as mp
+from hflow.config_schema import ConfigError
 from hflow.tasks.defaults import fill_builtin_defaults
+from hflow.trainer.config import validate_config
 
 GIB = 2**30
 # a small run of the built-in model: short sequences, few of them

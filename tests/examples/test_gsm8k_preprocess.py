@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.utils.dataset import RLHFDataset
 from hflow.reward.score import default_compute_score
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hflow.config_schema import default_section
+from hflow.trainer.config import default_section
 from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.flops_counter import device_peak_flops

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.reward.judge import parse_number, question_text, reference_text, render_judge_prompt, yes_no_probability
 from hflow.utils.torch_functional import compute_position_id_with_mask

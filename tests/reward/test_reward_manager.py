@@ -344,8 +344,8 @@ def test_registry(monkeypatch):
 def test_the_example_reward_function_loads_and_scores():
     from pathlib import Path
 
-    from hflow.config_schema import default_config
     from hflow.reward.managers import get_custom_reward_fn
+    from hflow.trainer.config import default_config
 
     example = Path(__file__).resolve().parents[2] / "examples" / "reward_functions" / "length_penalty.py"
     config = default_config()

@@ -248,7 +248,9 @@ def test_dapo_preflight_checks_the_buffer_it_turns_on():
 def test_preflight_checks_the_remote_scorer_and_the_batch_signature(batch_file, overrides, named):
     from hydra import compose, initialize_config_dir
 
-    from hflow.config_schema import ConfigError, validate_config
+    from hflow.config_schema import ConfigError
+
+    from hflow.trainer.config import validate_config
     from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
     from hflow.trainer.preflight import preflight_check
 

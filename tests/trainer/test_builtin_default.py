@@ -49,8 +49,8 @@ def test_builtin_settings_never_replace_what_the_user_gave():
 def test_builtin_settings_fit_one_node_of_any_usual_size(nodes, devices):
     """`trainer.n_gpus_per_node=8` (on one or two nodes) with nothing else must pass preflight: the
     built-in micro-batch divides every rank's share of a step."""
-    from hflow.config_schema import validate_config
     from hflow.tasks.defaults import fill_builtin_defaults
+    from hflow.trainer.config import validate_config
     from hflow.trainer.preflight import preflight_check
 
     overrides = [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={devices}", f"ray_init.num_cpus={devices}"]

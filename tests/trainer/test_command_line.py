@@ -165,7 +165,8 @@ def test_a_bad_input_ends_with_one_message_naming_it_before_ray_starts(builtin, 
 
 
 def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept(tmp_path):
-    from hflow.config_schema import ConfigError, PPOTrainerConfig, SFTTrainerConfig
+    from hflow.config_schema import ConfigError
+    from hflow.trainer.config import PPOTrainerConfig, SFTTrainerConfig
     from hflow.trainer.main_ppo import check_command_line
 
     check_command_line(["--multirun", "data.train_batch_size=8,16", "~trainer.logger", "hydra.run.dir=out",

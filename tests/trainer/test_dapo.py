@@ -9,7 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.reward import dynamic_sampling as dapo
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -164,7 +166,7 @@ def test_preflight_accepts_the_defaults_and_a_valid_dapo_config():
 
 
 def test_preflight_check_runs_the_dapo_checks():
-    from hflow.config_schema import validate_config
+    from hflow.trainer.config import validate_config
     from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
     from hflow.trainer.preflight import preflight_check
 

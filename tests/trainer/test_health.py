@@ -18,8 +18,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from hflow.config_schema import ConfigError, default_config
 from hflow import CONFIG_DIR
+from hflow.config_schema import ConfigError
+from hflow.trainer.config import default_config
 from hflow.trainer.main_ppo import run_ppo
 from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
                                       zero_advantage_group_frac)

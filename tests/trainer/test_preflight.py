@@ -142,7 +142,7 @@ def test_a_reward_file_that_does_not_import_or_lacks_the_function_fails_in_prefl
 
 
 def test_split_placement_passes_and_divides_the_nodes(files):
-    from hflow.config_schema import placement_pools
+    from hflow.trainer.config import placement_pools
 
     preflight_check(make_config(files, "trainer.placement=split", "trainer.rollout_n_gpus=1"))
     preflight_check(make_config(files, "trainer.placement=split", "trainer.async_steps=1"))

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from hflow.algorithms import core_algos
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import last_valid_index
 from hflow.reward import shaping as reward_shaping

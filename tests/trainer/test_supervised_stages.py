@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from hflow.config_schema import SFTTrainerConfig, RMTrainerConfig, default_config
 from hflow import CONFIG_DIR
+from hflow.trainer.config import RMTrainerConfig, SFTTrainerConfig, default_config
 from hflow.trainer.supervised_trainer import run_stage
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.dataset.supervised import PreferenceDataset, SFTDataset, preference_collate_fn, sft_collate_fn

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.utils.dataset import (
     ResumableDataLoader,

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.workers.fsdp import load_causal_lm
 from hflow.workers.seqlen_balancing import rearrange_micro_batches

@@ -13,7 +13,7 @@ import os, sys
 import torch._dynamo
 from hflow.workers import fsdp_workers  # noqa: F401 - a worker's imports, torch._dynamo among them
 from hflow.workers.rollout.vllm_rollout import new_engine, vLLMRollout
-from hflow.config_schema import default_section
+from hflow.trainer.config import default_section
 from hflow.tasks.tiny_models import build_causal_lm
 from transformers import AutoConfig
 

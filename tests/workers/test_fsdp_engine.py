@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.utils import device
 from hflow.workers import fsdp
 from hflow.workers.fsdp import (

@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.tasks.tiny_models import build_causal_lm
 from hflow.workers.fsdp import apply_fsdp2, load_reward_model, load_value_model
 from hflow.utils.torch_functional import compute_position_id_with_mask

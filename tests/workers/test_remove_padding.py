@@ -10,13 +10,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.workers.fsdp import load_causal_lm, load_value_model
 from hflow.utils.packing import SDPA_VARLEN, SEQUENCE_BOUNDS, pack_micro_batch
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
-from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, resolved_copy
+from hflow.workers.config import normalize_actor_rollout_ref, resolved_copy
+from hflow.workers.critic.config import normalize_critic
 from hflow.workers.critic.dp_critic import DataParallelPPOCritic
 
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 12, 9, 100

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.tasks.tiny_models import build_tokenizer
 from hflow.utils.torch_functional import compute_position_id_with_mask

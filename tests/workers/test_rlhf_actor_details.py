@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.trainer.preflight import preflight_check
@@ -31,7 +31,8 @@ from hflow.workers.fsdp.ema import ParamEMA
 from hflow.workers.fsdp import apply_fsdp2, clean_param_name, load_causal_lm, load_value_model
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
-from hflow.workers.config import ConfigError, check_value_head, resolved_copy
+from hflow.workers.config import ConfigError, resolved_copy
+from hflow.workers.critic.config import check_value_head
 from hflow.workers.critic import DataParallelPPOCritic
 from tests.ranks import free_port, spawn_ranks
 

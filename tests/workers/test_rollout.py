@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hflow.config_schema import default_config
+from hflow.trainer.config import default_config
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import compute_position_id_with_mask, get_response_mask
 from hflow.workers.rollout import HFRollout

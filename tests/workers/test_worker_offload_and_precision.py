@@ -21,7 +21,8 @@ from hflow.workers import fsdp
 from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers import fsdp_workers
-from hflow.workers.config import ConfigError, normalize_actor_rollout_ref, normalize_critic
+from hflow.workers.config import ConfigError, normalize_actor_rollout_ref
+from hflow.workers.critic.config import normalize_critic
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
 PROMPT_LEN, RESPONSE_LEN = 8, 4

@@ -27,9 +27,9 @@ from tqdm import tqdm
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import ClassWithInitArgs, GroupCall, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
-from hflow.config_schema import placement_pools, reuses_update_log_probs
 from hflow.reward import dynamic_sampling as dapo
 from hflow.reward import shaping as reward_shaping
+from hflow.trainer.config import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo.health import HealthWatch, UnhealthyRun, faults_at, poison_scores, zero_advantage_group_frac
 from hflow.reward.managers.dapo import GENERATED_RESPONSE_MASK
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)

@@ -42,7 +42,7 @@ class RLHFDataset(Dataset):
         config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
             ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``return_raw_chat``,
             ``chat_template`` (every key present: build one by hand from
-            ``hflow.config_schema.default_config().data``).
+            ``hflow.trainer.config.default_config().data``).
         files_key: the config key the files came from, for error messages.
         tools: OpenAI function schemas of a multi-turn rollout's tools: the chat template gets them (as
             ``tools=``, for templates that describe tools in the prompt) and items carry ``tools_kwargs``

@@ -16,7 +16,7 @@ from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_
 
 def build_optimizer(params: Iterable[nn.Parameter], optim_cfg: Any) -> Optimizer:
     """AdamW from the `optim` section (`lr`, `betas`, `weight_decay`; every key present: build one by hand
-    from `hflow.config_schema.default_config().actor_rollout_ref.actor.optim`)."""
+    from `hflow.trainer.config.default_config().actor_rollout_ref.actor.optim`)."""
     betas = optim_cfg.betas
     return torch.optim.AdamW(
         params,

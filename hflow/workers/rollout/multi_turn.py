@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hflow.agent.loop import AgentLoop, Episode, MultiTurnSettings, TurnEngine, agent_metrics
+from hflow.agent.loop import AgentLoop, Episode, TurnEngine, agent_metrics
 from hflow.agent.parsers import get_parser
 from hflow.agent.tool_config import builtin_tools, load_tools, tool_schemas
 from hflow.protocol import DataProto
@@ -48,7 +48,7 @@ class MultiTurnRollout:
         self.tokenizer = tokenizer
         self.response_length = int(config.response_length)
         tools = load_rollout_tools(multi_turn)
-        self.loop = AgentLoop(tokenizer, MultiTurnSettings.from_config(multi_turn), tools,
+        self.loop = AgentLoop(tokenizer, multi_turn, tools,
                               get_parser(str(multi_turn.format)), self.response_length, tool_schemas(tools))
 
     def generate(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from hflow.config_schema import check_tensor_parallel
+from hflow.workers.rollout.config import check_tensor_parallel
 from hflow.protocol import DataProto
 from hflow.utils.device import is_cuda
 from hflow.utils.torch_functional import pad_2d_list_to_length
@@ -70,7 +70,7 @@ CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 class vLLMRollout(BaseRollout):
     """`generate_sequences` on a vLLM engine built from `model_path` and the rollout config
     (`actor_rollout_ref.rollout`, every key present: code that builds one by hand starts from
-    `hflow.config_schema.default_config()`).
+    `hflow.trainer.config.default_config()`).
 
     `model_hf_config` is the HF config of the policy (for the context-length check); `device_mesh`,
     when given, is the rollout mesh `("dp", "infer_tp")` and must agree with

@@ -1,0 +1,84 @@
+"""`algorithm`: the advantage estimator, the KL in the reward, the old log-probs' source, DAPO's group
+filter (typed defaults; comments in `config/ppo_trainer.yaml`), the names the algorithms know, and the
+section's own check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hflow.algorithms import core_algos
+from hflow.config_schema import ConfigError, check_choice
+
+LOSS_AGG_MODES = tuple(mode.value for mode in core_algos.LossAggMode)
+KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straight-through gradient)
+KL_CONTROLLERS = ("fixed", "adaptive")
+# Estimators that compare the samples of one prompt: they need rollout.n >= 2.
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling: drop prompt groups whose samples all score the same
+    metric: str = "score"  # score (sequence score) or a per-sample key the reward function returns (e.g. acc)
+    max_num_gen_batches: int = 10  # generation batches per step before giving up; 0 = no limit
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_rollout_log_probs: bool = False
+    reuse_update_log_probs: Optional[bool] = None  # None = wherever it is exact (reuses_update_log_probs)
+    rollout_check_freq: int = 10  # with reused log-probs: the separate pass (and its checks) every N steps
+    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights pi_old / pi_rollout on the pg loss
+    rollout_is_threshold: float = 2.0  # C, the truncation of those weights
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    reward_clip: Optional[float] = None  # clip each sequence's score to [-c, c] before the KL penalty
+    stop_token: Optional[str] = None  # the reward sees each response cut after this (one-token) text
+    missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+def check_adv_estimator(algo) -> None:
+    known = [e.value for e in core_algos.AdvantageEstimator]
+    if algo.adv_estimator not in known:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; choose from {known}")
+
+
+def check_kl_in_reward(algo) -> None:
+    if algo.use_kl_in_reward:
+        check_choice(algo.kl_penalty.removesuffix("+"), KL_TYPES, "algorithm.kl_penalty")
+        check_choice(algo.kl_ctrl.type, KL_CONTROLLERS, "algorithm.kl_ctrl.type")
+
+
+def check_old_log_probs(algo) -> None:
+    """Where the old log-probs come from: at most one replacement of the separate pass, and its frequency."""
+    if algo.reuse_update_log_probs and algo.use_rollout_log_probs:
+        raise ConfigError("algorithm.reuse_update_log_probs and algorithm.use_rollout_log_probs both replace the "
+                          "old log-prob pass; set only one of them")
+    if int(algo.rollout_check_freq) < 0:
+        raise ConfigError(f"algorithm.rollout_check_freq={algo.rollout_check_freq}: give N >= 1 (the separate old-log-prob "
+                          "pass every N steps when the update reuses its own) or 0 (never)")
+
+
+def check_reward_clip(algo) -> None:
+    """`algorithm.reward_clip` and `.missing_stop_penalty` (the stop token itself is checked against the
+    policy tokenizer, by the trainer's preflight)."""
+    if algo.reward_clip is not None and not float(algo.reward_clip) > 0:
+        raise ConfigError(f"algorithm.reward_clip must be a positive number (or null: no clipping), got {algo.reward_clip}")
+    if algo.missing_stop_penalty is not None and algo.stop_token is None:
+        raise ConfigError("algorithm.missing_stop_penalty scores the responses without algorithm.stop_token, which is "
+                          "null; set algorithm.stop_token too, or algorithm.missing_stop_penalty=null")
