@@ -3,7 +3,7 @@
     python bench/memory_plan.py [--models builtin,smollm2] [--out bench/results/memory_plan.md]
 
 For each model and setting (batch, lengths, micro-batches, gradient checkpointing, remove-padding, world
-size) the plan (`hflow.cli.memory_plan.plan_memory`, fake tensors in a fake process group) gives, per
+size) the plan (`hflow.trainer.memory.plan.plan_memory`, fake tensors in a fake process group) gives, per
 phase that torch runs, the pass's peak as the memory tracker counts it. The same tracker
 (`FSDPMemTracker`; torch's `MemTracker` where `apply_fsdp2` leaves one rank's model plain) then counts the
 real run: W gloo processes on this CPU, the model's real weights read by hflow's loader, sharded by
@@ -153,7 +153,7 @@ def _count_worker(rank: int, world: int, jobs: list[dict], port: int, out_file: 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    from hflow.cli.memory_trace import PassSpec, count_real_pass
+    from hflow.trainer.memory.trace import PassSpec, count_real_pass
 
     results = []
     for job in jobs:
@@ -186,14 +186,15 @@ def check_model(name: str, model_path: str | None, rows: list, settings=None) ->
 
     from omegaconf import OmegaConf
 
-    from hflow.cli import memory_plan as mp
+    from hflow.cli.memory_plan import compose
+    from hflow.trainer.memory import plan as mp
 
     for label, world, overrides in settings or SETTINGS[name]:
         args = [*COMMON[name], *overrides, "trainer.backend=ray" if world > 1 else "trainer.backend=local",
                 f"trainer.n_gpus_per_node={world}"]
         if model_path:
             args.append(f"actor_rollout_ref.model.path={model_path}")
-        config = mp.compose(args)
+        config = compose(args)
         start = time.perf_counter()
         plan = mp.plan_memory(config, "cpu")
         plan_s = time.perf_counter() - start
@@ -213,7 +214,7 @@ def check_model(name: str, model_path: str | None, rows: list, settings=None) ->
 
 
 def _by_cat(phase):
-    from hflow.cli.memory_facts import trace
+    from hflow.trainer.memory.facts import trace
 
     return trace(phase.spec).items()
 

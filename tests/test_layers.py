@@ -14,17 +14,17 @@ HFLOW = Path(__file__).resolve().parent.parent / "hflow"
 LAYERS = [
     ("__init__.py",),  # the package itself: where the shipped config folder is
     ("sandbox",),  # untrusted code: stdlib only
-    ("utils",),  # general helpers: device, masked tensor math, datasets, user code, errors, ...
+    ("utils", "config_schema.py"),  # general helpers (device, masked tensor math, datasets, user code, errors,
+    # ...) and the configuration's generic machinery (merge, validate, the check helpers)
     ("protocol",),  # DataProto and its wire format
     ("algorithms",),  # advantages, losses, KL: pure torch
-    ("config_schema.py",),  # the typed configuration's machinery
     ("agent",),  # the multi-turn loop, parsers, the model's tools
     ("single_controller",),  # Worker, WorkerGroup, @register, Ray and local backends
     ("workers",),  # SPMD workers: FSDP actor/critic/ref, rollouts, weight sync
     ("reward",),  # scorers, managers, shaping, the generative judge, the audit
     ("tasks",),  # built-in tasks: their data and small pre-trained models
-    ("cli",),  # offline command-line tools: checkpoint converter, memory plan
-    ("trainer",),  # the drivers: main_ppo / main_sft / main_rm, preflight, RayPPOTrainer
+    ("trainer",),  # the drivers: main_ppo / main_sft / main_rm, preflight, the memory plan, RayPPOTrainer
+    ("cli",),  # offline command-line tools: checkpoint converter, the memory plan's command line, plot
 ]
 # Imports nothing of hflow at all (its processes start from a bare interpreter).
 SELF_CONTAINED = {"sandbox"}

@@ -317,16 +317,13 @@ def load_reward(spec: str | None) -> tuple[Callable[..., Any], str]:
 
     if not spec:
         return default_compute_score, "hflow.reward.score.default_compute_score"
-    from omegaconf import open_dict
-
-    from hflow.trainer.config import default_config
+    from hflow.reward.config import CustomRewardFunctionConfig
     from hflow.reward.managers.loader import check_reward_fn_signature, get_custom_reward_fn
 
     path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "compute_score")
-    config = default_config()
-    with open_dict(config):
-        config.custom_reward_function.path = path
-        config.custom_reward_function.name = name or "compute_score"
+    # the one section the loader reads, with its shipped defaults
+    section = CustomRewardFunctionConfig(path=path, name=name or "compute_score")
+    config = OmegaConf.create({"custom_reward_function": OmegaConf.structured(section)})
     fn = get_custom_reward_fn(config)
     check_reward_fn_signature(fn)
     return fn, f"{path}:{fn.name}"

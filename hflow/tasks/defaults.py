@@ -11,9 +11,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hflow import CONFIG_DIR
-from hflow.config_schema import default_config
 
-__all__ = ["apply_builtin_settings", "dotted_leaves", "fill_builtin_defaults", "fill_builtin_paths"]
+__all__ = ["apply_builtin_settings", "dotted_leaves", "shipped_defaults", "fill_builtin_defaults", "fill_builtin_paths"]
 
 
 def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> None:
@@ -40,8 +39,14 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
         assets = ensure_assets()
         return str(assets.train_file), str(assets.val_file)
 
-    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, settings_yaml, default_config(), user_keys,
+    fill_builtin_paths(config, "actor_rollout_ref.model.path", files, settings_yaml, shipped_defaults(), user_keys,
                        model_path=lambda: ensure_assets().model_path)
+
+
+def shipped_defaults() -> DictConfig:
+    """The shipped `ppo_trainer.yaml`: every key's default (the trainer's typed schema holds the same values,
+    `tests/test_config_schema.py` checks it; read from the file here, below the trainer that owns the schema)."""
+    return OmegaConf.load(Path(CONFIG_DIR) / "ppo_trainer.yaml")
 
 
 def fill_builtin_paths(config: DictConfig, model_key: str, data_files, settings_yaml: str, shipped: DictConfig,

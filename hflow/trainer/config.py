@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from hflow.algorithms.config import AlgorithmConfig
 from hflow.config_schema import WORLD_KEYS, ConfigError, check_choice, defaults, validate
 from hflow.reward.config import CustomRewardFunctionConfig, RewardModelConfig
+from hflow.sandbox.config import SandboxConfig
 from hflow.trainer.ppo.health_config import HealthConfig
 from hflow.utils.dataset.config import DataConfig, RMDataConfig, SFTDataConfig
 from hflow.utils.tracking import check_backends
@@ -69,7 +70,7 @@ class TrainerConfig:
     seed: int = 42
     reward_audit: bool = False  # audit the reward for gaming responses before training (hflow.reward.audit)
     reward_audit_max_accept: float = 0.05
-    memory_plan: str = "summary"  # off | summary | enforce (hflow.cli.memory_plan)
+    memory_plan: str = "summary"  # off | summary | enforce (hflow.trainer.memory)
     device_memory_gb: Optional[float] = None  # memory of one device for the plan; None = the device's own
     health: HealthConfig = field(default_factory=HealthConfig)
 
@@ -92,6 +93,7 @@ class PPOTrainerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
 
 
 # ---- the supervised stages (config/sft_trainer.yaml, config/rm_trainer.yaml; comments there) ------

@@ -227,13 +227,13 @@ def check_context_length(config: DictConfig) -> None:
 
 
 def check_memory(config: DictConfig) -> None:
-    """`trainer.memory_plan`: the plan of peak device memory per phase (`hflow.cli.memory_plan`), last, on a
+    """`trainer.memory_plan`: the plan of peak device memory per phase (`hflow.trainer.memory`), last, on a
     configuration every other check has passed: `summary` prints one line, `enforce` refuses a plan that
     does not fit, naming the phase and the keys that make it fit."""
     check_memory_plan_keys(config.trainer)
     mode = config.trainer.memory_plan
     if mode != "off":
-        from hflow.cli.memory_plan import check_memory_plan
+        from hflow.trainer.memory.plan import check_memory_plan
 
         check_memory_plan(config, mode)
 

@@ -1,4 +1,4 @@
-"""The memory plan (hflow.cli.memory_plan): its phases on the built-in model, the sharding, checkpointing and
+"""The memory plan (hflow.trainer.memory, printed by hflow.cli.memory_plan): its phases on the built-in model, the sharding, checkpointing and
 optimizer terms, a plan that does not fit with the key that makes it fit, preflight's summary and enforce
 modes, and the plan against the real run's tensors on CPU (one small setting)."""
 
@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hflow import CONFIG_DIR
-from hflow.cli import memory_facts, memory_plan as mp
+from hflow.trainer.memory import facts as memory_facts, plan as mp
 from hflow.config_schema import ConfigError
 from hflow.tasks.defaults import fill_builtin_defaults
 from hflow.trainer.config import validate_config
@@ -171,7 +171,7 @@ def test_a_model_folder_without_a_model_type_skips_the_summary(tmp_path, capsys)
 def test_the_plan_matches_the_real_run_counted_on_cpu(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hflow.cli.memory_trace import count_real_pass
+    from hflow.trainer.memory.trace import count_real_pass
 
     config = builtin_config("data.max_prompt_length=64", "data.max_response_length=64")
     plan = mp.plan_memory(config, "cpu", 8 * GIB)  # before the real process group: the plan makes a fake one

@@ -128,11 +128,11 @@ def default_device_bytes(config: DictConfig, target: str) -> float:
 
 def cached(key_text: str, compute) -> dict:
     """`compute()` (a JSON-able dict), cached in this process and on disk under a key made of `key_text`, the
-    tracing code (`hflow/cli/memory_trace.py`) and the torch/transformers versions. A hit imports neither
+    tracing code (`hflow/trainer/memory/trace.py`) and the torch/transformers versions. A hit imports neither
     torch's tracer nor transformers."""
     from importlib.metadata import version
 
-    source = (Path(__file__).with_name("memory_trace.py")).read_bytes()
+    source = (Path(__file__).with_name("trace.py")).read_bytes()
     key = hashlib.sha256("\n".join([_CACHE_VERSION, key_text, version("torch"), version("transformers"),
                                     hashlib.sha256(source).hexdigest()]).encode()).hexdigest()[:32]
     if key in _TRACES:
@@ -161,7 +161,7 @@ def trace(spec) -> dict[str, int]:
     """`memory_trace.trace_fake(spec)`, cached (`cached`)."""
 
     def compute() -> dict[str, int]:
-        from hflow.cli.memory_trace import trace_fake
+        from hflow.trainer.memory.trace import trace_fake
 
         return trace_fake(spec)
 
@@ -169,7 +169,7 @@ def trace(spec) -> dict[str, int]:
 
 
 def traced_components(peak: dict[str, int], role: str) -> dict[str, float]:
-    from hflow.cli.memory_trace import CATEGORIES
+    from hflow.trainer.memory.trace import CATEGORIES
 
     out: dict[str, float] = {}
     for category, value in peak.items():
