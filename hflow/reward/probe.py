@@ -8,7 +8,8 @@ scoring processes and timeout, the same result rules (`NaiveRewardManager.try_ca
 `PROBE_ROWS` rows of `data.val_files`. A remote scorer is tried once per request, with at most
 `PROBE_REQUEST_TIMEOUT_S`, so a dead URL costs seconds, not its retries.
 
-Not probed: a reward model or a generative judge alone (a model, loaded later by its worker), and a
+With ``custom_reward_function.on_error=zero`` a local reward that fails on some rows (not all) only warns:
+the user accepted failing samples scored 0. Not probed: a reward model or a generative judge alone (a model, loaded later by its worker), and a
 user-registered manager that is not a `NaiveRewardManager` (its calling convention is its own).
 """
 
@@ -31,7 +32,6 @@ def probe_reward(config: DictConfig) -> int:
     """Score `PROBE_ROWS` validation rows with their ground truth as the response; a ConfigError naming the
     row, the reward and the reason when one cannot be scored. Returns the number of rows tried (0: not
     probed)."""
-    from hflow.reward.audit import read_rows
     from hflow.reward.managers import NaiveRewardManager, load_reward_manager
 
     section = config.custom_reward_function
@@ -39,9 +39,9 @@ def probe_reward(config: DictConfig) -> int:
         return 0  # the reward model (or judge) scores: a model, tried when its worker loads it
     files = config.data.val_files
     path = str(files if isinstance(files, str) else files[0])
-    rows = read_rows(path, PROBE_ROWS, config.data.reward_fn_key, config.data.prompt_key, "data.val_files")
+    rows = _probe_rows(path, config.data.reward_fn_key)
     if not rows:
-        return 0
+        return 0  # no row says what to score against: the data checks name what is missing
     manager = load_reward_manager(config, tokenizer=None, num_examine=0, training=False)
     try:
         if not isinstance(manager, NaiveRewardManager):
@@ -56,10 +56,30 @@ def probe_reward(config: DictConfig) -> int:
         results = manager.try_calls(calls)
     finally:
         manager.close()
-    for index, result in enumerate(results):
-        if isinstance(result, str):
-            raise ConfigError(_failure(config, path, index, rows[index], result))
-    return len(rows)
+    failed = [index for index, result in enumerate(results) if isinstance(result, str)]
+    if not failed:
+        return len(rows)
+    first = _failure(config, path, failed[0], rows[failed[0]], results[failed[0]])
+    if section.on_error == "zero" and len(failed) < len(rows) and not section.url:
+        # the user accepts failing samples scored 0; a reward that fails on every row would train on nothing
+        print(f"reward probe: warning: {len(failed)} of {len(rows)} rows failed (on_error=zero scores such samples 0); "
+              f"the first: {first}", flush=True)
+        return len(rows)
+    raise ConfigError(first)
+
+
+def _probe_rows(path: str, reward_fn_key: str) -> list[dict[str, Any]]:
+    """The first `PROBE_ROWS` rows that carry a ground truth, as {data_source, ground_truth, extra_info}."""
+    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+
+    names = read_parquet_schema(path, "data.val_files").names
+    if reward_fn_key not in names or "reward_model" not in names:
+        return []
+    columns = [reward_fn_key, "reward_model"] + (["extra_info"] if "extra_info" in names else [])
+    table = read_parquet(path, "data.val_files", columns=columns).slice(0, PROBE_ROWS)
+    return [{"data_source": row[reward_fn_key], "ground_truth": (row["reward_model"] or {}).get("ground_truth"),
+             "extra_info": row.get("extra_info")} for row in table.to_pylist()
+            if isinstance(row["reward_model"], dict) and "ground_truth" in row["reward_model"]]
 
 
 def _failure(config: DictConfig, path: str, index: int, row: dict[str, Any], reason: str) -> str:

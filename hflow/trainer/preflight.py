@@ -35,7 +35,11 @@ from hflow.trainer.config import (
     check_world,
 )
 from hflow.reward.dynamic_sampling import check_dapo_config
+from hflow.reward.probe import probe_reward
+from hflow.trainer.checkpoints import StepCheckpoints
+from hflow.trainer.code_isolation import check_code_isolation
 from hflow.trainer.ppo.health import check_health_config
+from hflow.trainer.resume import check_resume_origin
 from hflow.utils.dataset.config import check_data, data_files
 from hflow.workers.config import (
     check_actor_losses,
@@ -123,6 +127,7 @@ def preflight_check(config: DictConfig) -> None:
 
     # the run, the reward
     check_run(trainer)
+    check_resumed_models(config)
     if config.reward_model.enable:
         check_model_path(config.reward_model.model.path, "reward_model.model.path")
         from hflow.reward.judge import check_judge_config
@@ -132,6 +137,8 @@ def preflight_check(config: DictConfig) -> None:
     check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
     check_custom_reward_on_error(config.custom_reward_function)
     check_reward_sources(config)
+    check_code_isolation(config)  # code tools / code rewards: the sandbox isolates, or the run stops here
+    probe_reward(config)  # the reward scores a few validation rows in time, or the run stops here
     if trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
         check_reward_audit(trainer)
         from hflow.reward.audit import check_reward_before_training
@@ -143,6 +150,19 @@ def preflight_check(config: DictConfig) -> None:
 # ==================================================================================================
 # Rules that span sections
 # ==================================================================================================
+
+
+def check_resumed_models(config: DictConfig) -> None:
+    """The checkpoint a run would resume comes from the models the run names (`hflow.trainer.resume`)."""
+    trainer = config.trainer
+    step_dir = StepCheckpoints(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path).find()
+    roles = [("actor", "actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
+    if config.algorithm.adv_estimator == "gae":
+        roles.append(("critic", "critic.model.path", config.critic.model.path))
+    for role, key, path in roles:
+        line = check_resume_origin(step_dir, role, key, path)
+        if line and role == "actor":
+            print(line, flush=True)
 
 
 def check_node_resources(config: DictConfig) -> None:

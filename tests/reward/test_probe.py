@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import open_dict
 
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+from hflow.trainer.config import default_config
 from hflow.reward.probe import PROBE_ROWS, probe_reward
 
 GOOD = """

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hflow.config_schema import ConfigError, default_config
+from hflow.config_schema import ConfigError
+from hflow.trainer.config import default_config
 from hflow.sandbox import LocalSandbox, RemoteSandbox, isolation, local
 from hflow.trainer.code_isolation import check_code_isolation, code_sandboxes
 from tests.sandbox.refusal import refuse_namespaces

@@ -28,7 +28,7 @@ class RewardSignatureError(UserError, TypeError):
 def get_custom_reward_fn(config: DictConfig) -> FileFunction | None:
     """``custom_reward_function.name`` from the file ``custom_reward_function.path``, called with
     ``custom_reward_function.reward_kwargs`` added; None when no path is set. `config` is the whole
-    configuration (build one by hand from `hflow.config_schema.default_config()`).
+    configuration (build one by hand from `hflow.trainer.config.default_config()`).
 
     Errors: a missing file is a FileNotFoundError, a file that fails to import (syntax error, failing
     import) a RuntimeError, a missing function an AttributeError; each names the key and the file.
