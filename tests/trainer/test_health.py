@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_dir
 
 from hflow.config_schema import ConfigError, default_config
 from hflow.trainer.main_ppo import CONFIG_DIR, run_ppo
-from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
-                                      zero_advantage_group_frac)
+from hflow.trainer.ppo.faults import faults_at, poison_scores
+from hflow.trainer.ppo.health import HealthWatch, UnhealthyRun, check_health_config, zero_advantage_group_frac
 from hflow.utils.snapshot import HostSnapshot
 from tests.trainer.learning import VAL_KEY
 
