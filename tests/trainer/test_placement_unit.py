@@ -134,3 +134,77 @@ def test_a_sample_with_a_token_beyond_the_staleness_bound_is_dropped_from_the_lo
     # without per-token versions (a colocated engine), the batch's submission version stands for every token
     plain = DataProto.from_dict({"response_mask": mask.clone()})
     assert source.bound_staleness(plain, submitted_version=4)["training/staleness/max"] == 1
+
+
+class _Call:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _FakeGroup:
+    """A worker group whose methods are plain functions; every call (direct or `.submit`) is logged."""
+
+    def __init__(self, log: list, world_size: int = 1, **methods):
+        self.world_size = world_size
+        for name, fn in methods.items():
+            def call(*args, _name=name, _fn=fn):
+                log.append(_name)
+                return _fn(*args)
+
+            call.submit = lambda *args, _call=call: _Call(_call(*args))
+            setattr(self, name, call)
+
+
+def _sources(log: list, seen_meta: list):
+    import torch
+
+    from hflow.protocol import DataProto
+    from hflow.trainer.ppo.rollout_source import RolloutSource, SplitRolloutSource
+
+    def generate(gen_batch):
+        seen_meta.append(dict(gen_batch.meta_info))
+        return DataProto.from_dict({"responses": torch.ones(len(gen_batch), 2, dtype=torch.long)},
+                                   meta_info={"metrics": {}})
+
+    class Loader(list):
+        def state_dict(self):
+            return {}
+
+    rows = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
+            "position_ids": torch.arange(3).repeat(2, 1)}
+    config = OmegaConf.create({"trainer": {"async_steps": 0}, "reward_model": {"enable": False}})
+    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
+    actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9}])
+    colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))
+    split = SplitRolloutSource(config, generator, Loader([rows] * 8), actor)
+    return colocated, split
+
+
+def test_the_split_source_streams_each_new_version_once_and_the_colocated_source_never():
+    """One interface for both placements: the trainer only says when weights changed; the split source
+    streams them to its pool (once per version, again after a rollback) and makes the pool wait for them."""
+    log, seen_meta = [], []
+    colocated, split = _sources(log, seen_meta)
+    for step in range(3):
+        colocated.next({}, steps_after=5)
+        colocated.weights_updated()
+    colocated.weights_restored()
+    colocated.next({}, steps_after=5)
+    assert log == ["generate_sequences"] * 4
+    assert all("min_weights_version" not in meta for meta in seen_meta)
+
+    log.clear(), seen_meta.clear()
+    _, metrics = split.next({}, steps_after=5)
+    assert log == ["send_weights", "receive_weights", "generate_sequences"]
+    assert metrics["perf/weight_stream_gb"] == 2.0 and "timing_s/weight_stream" in metrics
+    _, metrics = split.next({}, steps_after=5)  # the engines hold this version already
+    assert log[3:] == ["generate_sequences"] and "perf/weight_stream_gb" not in metrics
+    split.weights_updated()
+    split.next({}, steps_after=5)
+    split.weights_restored()  # same version, other weights: streamed again
+    split.next({}, steps_after=5)
+    assert log[4:] == ["send_weights", "receive_weights", "generate_sequences"] * 2
+    assert [meta["min_weights_version"] for meta in seen_meta] == [0, 0, 1, 1]

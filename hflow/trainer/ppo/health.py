@@ -256,8 +256,9 @@ class HealthRollback:
 
     def apply_factors(self) -> None:
         """The remedies so far, on the workers: learning rates (actor and critic) and the actor's clip."""
-        for wg in self._trainable_groups():
-            wg.set_health_factors(self.watch.lr_factor, self.watch.clip_factor if wg is self.actor_wg else 1.0)
+        self.actor_wg.set_health_factors(self.watch.lr_factor, self.watch.clip_factor)
+        if self.critic_wg is not None:
+            self.critic_wg.set_health_factors(self.watch.lr_factor, 1.0)
 
     def _step_was_healthy(self, step: int) -> None:
         if self.cfg.snapshot == "memory":
