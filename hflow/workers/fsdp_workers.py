@@ -353,17 +353,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._require(self._is_actor, "update_actor", "actor")
         self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         data.meta_info["temperature"] = self.config.rollout.temperature
-        # trainer.health.inject: a fault on purpose, to see the health watch catch it
-        fault = data.meta_info.get("inject_fault") or {}
-        if fault.get("kind") == "lr_scale":  # this update only: the scheduler's step below sets the rate again
-            for group in self.actor_optimizer.param_groups:
-                group["lr"] *= float(fault["value"])
-        self.actor.nan_logits = fault.get("kind") == "nan_logits"
         started = time.perf_counter()
-        try:
-            metrics = self.actor.update_policy(data.to(device.get_device()))
-        finally:
-            self.actor.nan_logits = False
+        metrics = self.actor.update_policy(data.to(device.get_device()))
         device.synchronize()  # the last optimizer step is still running on the GPU
         elapsed = time.perf_counter() - started
         metrics["timing_s/update_actor_worker"] = elapsed

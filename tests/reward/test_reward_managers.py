@@ -267,16 +267,16 @@ def test_with_a_stop_token_the_buffer_measures_the_response_as_generated(tokeniz
     still measures what was generated (as before it moved into the manager)."""
     from types import SimpleNamespace
 
-    from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
+    from hflow.reward.batch_scorer import BatchScorer
 
     stop = tokenizer("!", add_special_tokens=False)["input_ids"][0]
     batch = make_batch(tokenizer, [("What is 2 + 3?", "5 ! and then a lot more text here", "hflow/arithmetic", "5")],
                        response_len=16)
     generated = response_lengths(batch)[0]
     config = OmegaConf.create({"algorithm": {"missing_stop_penalty": None}})
-    trainer = SimpleNamespace(stop_token_id=stop, tokenizer=tokenizer, use_rm=False, config=config)
+    scorer = SimpleNamespace(stop_token_id=stop, tokenizer=tokenizer, use_rm=False, config=config)
     manager = NaiveRewardManager(tokenizer, 0, timeout_s=None, overlong_buffer=OverlongBuffer(16, 8, 1.0))
-    scores, reward, _ = RayPPOTrainer._score(trainer, batch, manager)
+    scores, reward, _ = BatchScorer.score(scorer, batch, manager)
     penalty = min(-(generated - 8) / 8, 0.0)
     assert penalty < 0 and scores.sum().item() == pytest.approx(1.0 + penalty)
     assert reward["reward_metrics"]["reward/overlong_penalty_mean"] == pytest.approx(penalty)

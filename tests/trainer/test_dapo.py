@@ -62,8 +62,8 @@ def test_take_groups_keeps_whole_groups_in_order():
 
 
 def _fake_trainer(batches: list[DataProto], train_batch_size: int, max_num_gen_batches: int):
-    """A trainer whose generation batches are `batches` (already scored): `_take_rollout` hands out the
-    next one, as the pipeline of batches in flight would, and counts the draws."""
+    """A trainer whose generation batches are `batches` (already scored): its rollout source's `take`
+    hands out the next one, as the pipeline of batches in flight would, and counts the draws."""
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     config = default_config()
     config.data.train_batch_size = train_batch_size
@@ -73,12 +73,12 @@ def _fake_trainer(batches: list[DataProto], train_batch_size: int, max_num_gen_b
     queue = list(batches[1:])
     trainer.draws = 0
 
-    def take_rollout(timing):
+    def take_rollout(timing, steps_after):
         trainer.draws += 1
         return SimpleNamespace(batch=queue.pop(0), output=DataProto(meta_info={"metrics": {}}))
 
-    trainer._take_rollout = take_rollout
-    trainer._scored_batch = lambda rollout, metrics, timing: (rollout.batch, {})
+    trainer.total_training_steps = trainer.global_steps = 1
+    trainer.rollouts = SimpleNamespace(take=take_rollout, scored=lambda rollout, metrics, timing: (rollout.batch, {}))
     return trainer, batches[0]
 
 

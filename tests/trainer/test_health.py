@@ -22,8 +22,8 @@ from hflow import CONFIG_DIR
 from hflow.config_schema import ConfigError
 from hflow.trainer.config import default_config
 from hflow.trainer.main_ppo import run_ppo
-from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
-                                      zero_advantage_group_frac)
+from hflow.trainer.ppo.faults import faults_at, poison_scores
+from hflow.trainer.ppo.health import HealthWatch, UnhealthyRun, check_health_config, zero_advantage_group_frac
 from hflow.workers.fsdp.snapshot import HostSnapshot
 from tests.trainer.learning import VAL_KEY
 
@@ -237,3 +237,67 @@ def test_a_snapshot_restores_weights_optimizer_and_schedule_exactly():
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(moments[k], v) for k, v in optimizer.state[model[1].weight].items())
     assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == 0.05
+
+
+def test_injected_faults_reach_only_their_step_without_the_hot_path_knowing():
+    """faults.install wraps the trainer's step, the step's first scored batch and each actor rank's
+    update_actor: a reward fault poisons the step's batch only (not DAPO's extra ones), an update fault
+    scales that update's learning rate or makes its logits NaN, and is gone after its step."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hflow.protocol import DataProto
+    from hflow.trainer.ppo import faults
+
+    class Logits(torch.nn.Module):
+        def forward(self, x):
+            return SimpleNamespace(logits=x * 2)
+
+    class Worker:  # an actor rank: its update reads the learning rate and runs the model
+        def __init__(self):
+            self.actor_optimizer = SimpleNamespace(param_groups=[{"lr": 1.0}])
+            self.actor = SimpleNamespace(actor_module=Logits())
+
+        def update_actor(self, batch):
+            lr = self.actor_optimizer.param_groups[0]["lr"]
+            self.actor_optimizer.param_groups[0]["lr"] = 1.0  # the scheduler's step sets the rate again
+            return lr, self.actor.actor_module(torch.ones(1)).logits
+
+    workers = [Worker(), Worker()]
+
+    def on_every_rank(func, data):
+        return DataProto.concat([func(w, part) for w, part in zip(workers, data.chunk(len(workers)))])
+
+    actor_wg = SimpleNamespace(world_size=2, execute_with_func_generator=on_every_rank)
+    scores = torch.tensor([[0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+
+    def scored(rollout, metrics, timing):
+        return DataProto.from_dict({"token_level_scores": scores.clone(), "response_mask": mask}), {}
+
+    updates = {}
+
+    def train_step(rollout, timing):
+        first = trainer.rollouts.scored(None, {}, {})[0].batch["token_level_scores"]
+        extra = trainer.rollouts.scored(None, {}, {})[0].batch["token_level_scores"]  # e.g. DAPO's next batch
+        if trainer.global_steps != 4:  # step 4: no update (a critic warm-up, say)
+            updates[trainer.global_steps] = [w.update_actor(None) for w in workers]
+        return first, extra
+
+    inject = [{"step": 2, "kind": "reward", "value": -5.0}, {"step": 3, "kind": "lr_scale", "value": 100.0},
+              {"step": 4, "kind": "nan_logits"}, {"step": 5, "kind": "nan_logits"}]
+    trainer = SimpleNamespace(config=OmegaConf.create({"trainer": {"health": {"inject": inject}}}),
+                              actor_rollout_wg=actor_wg, train_step=train_step,
+                              rollouts=SimpleNamespace(scored=scored), global_steps=0)
+    faults.install(trainer)
+    steps = {}
+    for step in range(1, 7):
+        trainer.global_steps = step
+        steps[step] = trainer.train_step(None, {})
+    assert torch.equal(steps[2][0], torch.tensor([[0.0, -5.0, 0.0]])) and torch.equal(steps[2][1], scores)
+    assert all(torch.equal(steps[s][0], scores) for s in (1, 3, 4, 5, 6))
+    assert [lr for lr, _ in updates[3]] == [100.0, 100.0]
+    assert all(lr == 1.0 for s in (1, 2, 5, 6) for lr, _ in updates[s])
+    assert all(torch.isnan(logits).all() for _, logits in updates[5])
+    assert all(torch.equal(logits, torch.tensor([2.0])) for s in (1, 2, 3, 6) for _, logits in updates[s])

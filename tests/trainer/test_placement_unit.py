@@ -82,22 +82,29 @@ def test_a_checkpoint_taken_with_rollouts_in_flight_resumes_by_drawing_those_bat
 
     import torch
 
-    from hflow.trainer.ppo.ray_trainer import PendingRollout
+    from types import SimpleNamespace
+
+    from hflow.trainer.ppo.rollout_source import PendingRollout, RolloutSource
 
     trainer = object.__new__(RayPPOTrainer)
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None,
-                                                   "resume_mode": "auto", "resume_from_path": None}})
-    trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward, trainer.reward_norm = 2, False, None, None
+                                                   "resume_mode": "auto", "resume_from_path": None,
+                                                   "async_steps": 2},
+                                       "reward_model": {"enable": False}})
+    trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward = 2, False, None
+    trainer.scorer = SimpleNamespace(reward_norm=None)
     trainer.health = None
-    trainer.actor_rollout_wg = trainer.rollout_wg = _Recorder()
+    trainer.actor_rollout_wg = _Recorder()
     trainer.train_dataloader = _Loader()
-    trainer._pending = deque(PendingRollout(batch=None, gen_batch=None, call=None, version=1,
-                                            loader_state={"epoch": 0, "position": position}) for position in (1, 2))
+    trainer.rollouts = RolloutSource(trainer.config, trainer.actor_rollout_wg, trainer.train_dataloader)
+    trainer.rollouts._pending = deque(PendingRollout(batch=None, gen_batch=None, call=None, version=1,
+                                                     loader_state={"epoch": 0, "position": position})
+                                      for position in (1, 2))
     trainer._save_checkpoint()
     state = torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)
     assert state["dataloader"] == {"epoch": 0, "position": 1}
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    trainer._pending = deque()  # nothing in flight: the loader's own position
+    trainer.rollouts._pending = deque()  # nothing in flight: the loader's own position
     trainer._save_checkpoint()
     assert torch.load(tmp_path / "global_step_2" / "data" / "state.pt", weights_only=True)["dataloader"]["position"] == 3
 
@@ -109,19 +116,95 @@ def test_a_sample_with_a_token_beyond_the_staleness_bound_is_dropped_from_the_lo
 
     from hflow.protocol import DataProto
 
-    trainer = object.__new__(RayPPOTrainer)
-    trainer.policy_version, trainer.async_steps = 5, 2
+    from hflow.trainer.ppo.rollout_source import RolloutSource
+
+    source = object.__new__(RolloutSource)
+    source.version, source.async_steps = 5, 2
     versions = torch.tensor([[5, 4, 4, -1],   # staleness 0, 1, 1
                              [3, 3, 3, 3],    # 2: at the bound, kept
                              [2, 3, 3, -1],   # one token 3 versions old: dropped
                              [4, -1, 5, -1]])  # the -1 is a tool token (mask 0)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 1, 0]])
     batch = DataProto.from_dict({"rollout_versions": versions, "response_mask": mask.clone()})
-    metrics = trainer._bound_staleness(batch, submitted_version=3)
+    metrics = source.bound_staleness(batch, submitted_version=3)
     assert metrics["training/staleness/dropped_samples"] == 1
     assert batch.batch["response_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]]
     kept = torch.tensor([0, 1, 1, 2, 2, 2, 2, 3, 2, 2, 1, 0], dtype=torch.float)  # every masked token, dropped ones too
     assert metrics["training/staleness/max"] == 3 and metrics["training/staleness/mean"] == pytest.approx(kept.mean().item())
     # without per-token versions (a colocated engine), the batch's submission version stands for every token
     plain = DataProto.from_dict({"response_mask": mask.clone()})
-    assert trainer._bound_staleness(plain, submitted_version=4)["training/staleness/max"] == 1
+    assert source.bound_staleness(plain, submitted_version=4)["training/staleness/max"] == 1
+
+
+class _Call:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _FakeGroup:
+    """A worker group whose methods are plain functions; every call (direct or `.submit`) is logged."""
+
+    def __init__(self, log: list, world_size: int = 1, **methods):
+        self.world_size = world_size
+        for name, fn in methods.items():
+            def call(*args, _name=name, _fn=fn):
+                log.append(_name)
+                return _fn(*args)
+
+            call.submit = lambda *args, _call=call: _Call(_call(*args))
+            setattr(self, name, call)
+
+
+def _sources(log: list, seen_meta: list):
+    import torch
+
+    from hflow.protocol import DataProto
+    from hflow.trainer.ppo.rollout_source import RolloutSource, SplitRolloutSource
+
+    def generate(gen_batch):
+        seen_meta.append(dict(gen_batch.meta_info))
+        return DataProto.from_dict({"responses": torch.ones(len(gen_batch), 2, dtype=torch.long)},
+                                   meta_info={"metrics": {}})
+
+    class Loader(list):
+        def state_dict(self):
+            return {}
+
+    rows = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
+            "position_ids": torch.arange(3).repeat(2, 1)}
+    config = OmegaConf.create({"trainer": {"async_steps": 0}, "reward_model": {"enable": False}})
+    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
+    actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9}])
+    colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))
+    split = SplitRolloutSource(config, generator, Loader([rows] * 8), actor)
+    return colocated, split
+
+
+def test_the_split_source_streams_each_new_version_once_and_the_colocated_source_never():
+    """One interface for both placements: the trainer only says when weights changed; the split source
+    streams them to its pool (once per version, again after a rollback) and makes the pool wait for them."""
+    log, seen_meta = [], []
+    colocated, split = _sources(log, seen_meta)
+    for step in range(3):
+        colocated.next({}, steps_after=5)
+        colocated.weights_updated()
+    colocated.weights_restored()
+    colocated.next({}, steps_after=5)
+    assert log == ["generate_sequences"] * 4
+    assert all("min_weights_version" not in meta for meta in seen_meta)
+
+    log.clear(), seen_meta.clear()
+    _, metrics = split.next({}, steps_after=5)
+    assert log == ["send_weights", "receive_weights", "generate_sequences"]
+    assert metrics["perf/weight_stream_gb"] == 2.0 and "timing_s/weight_stream" in metrics
+    _, metrics = split.next({}, steps_after=5)  # the engines hold this version already
+    assert log[3:] == ["generate_sequences"] and "perf/weight_stream_gb" not in metrics
+    split.weights_updated()
+    split.next({}, steps_after=5)
+    split.weights_restored()  # same version, other weights: streamed again
+    split.next({}, steps_after=5)
+    assert log[4:] == ["send_weights", "receive_weights", "generate_sequences"] * 2
+    assert [meta["min_weights_version"] for meta in seen_meta] == [0, 0, 1, 1]

@@ -28,6 +28,7 @@ from hflow.protocol import DataProto
 from hflow.utils.torch_functional import last_valid_index
 from hflow.reward import shaping as reward_shaping
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty
+from hflow.trainer.ppo.rollout_source import RolloutSource
 from hflow.trainer.preflight import check_reward_shaping
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.utils.errors import UserError
@@ -253,43 +254,49 @@ def make_trainer(builtin, tokenizer, tmp_path, **algorithm):
     dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
     loader = create_train_dataloader(dataset, config.data, collate_fn)
     trainer = RayPPOTrainer(config, tokenizer, None, None, dataset, None, collate_fn, loader, n_workers=1)
-    trainer.actor_rollout_wg = trainer.rollout_wg = trainer.rm_wg = FakeWorkers(tokenizer)
+    trainer.actor_rollout_wg = trainer.scorer.rm_wg = FakeWorkers(tokenizer)
+    trainer.rollouts = RolloutSource(config, trainer.actor_rollout_wg, loader)
     return trainer
+
+
+def fit_normalization(trainer) -> None:
+    trainer.scorer.fit_normalization(trainer.train_dataset, trainer.collate_fn, trainer.rollouts.generate)
 
 
 def test_trainer_fits_normalization_on_fresh_samples_without_moving_the_loader(builtin, tokenizer, tmp_path):
     trainer = make_trainer(builtin, tokenizer, tmp_path, stop_token=".")
     loader_state = trainer.train_dataloader.state_dict()
-    trainer._fit_reward_normalization()
+    fit_normalization(trainer)
     assert trainer.train_dataloader.state_dict() == loader_state
-    workers = trainer.rm_wg
+    workers = trainer.scorer.rm_wg
     (scored,) = workers.scored
     assert len(scored) == 6 and workers.sample_counts == [1]  # one response for each of num_prompts prompts
     # the reward model saw the responses cut after the stop token, and the fit is over exactly those scores
     assert scored.batch["attention_mask"][:, -L:].sum(-1).tolist()[:4] == [2, 3, 2, 3]
     raw = workers.compute_rm_score(scored).batch["rm_scores"].sum(-1).double()
-    normalised = trainer.reward_norm.gain * raw + trainer.reward_norm.bias
+    normalised = trainer.scorer.reward_norm.gain * raw + trainer.scorer.reward_norm.bias
     assert normalised.mean().item() == pytest.approx(0, abs=1e-9)
     assert normalised.std(unbiased=False).item() == pytest.approx(1, abs=1e-9)
 
     # seeded: another trainer draws the same prompts
     again = make_trainer(builtin, tokenizer, tmp_path, stop_token=".")
-    again._fit_reward_normalization()
-    assert torch.equal(again.rm_wg.generated_prompts[0], workers.generated_prompts[0])
-    assert (again.reward_norm.gain, again.reward_norm.bias) == (trainer.reward_norm.gain, trainer.reward_norm.bias)
+    fit_normalization(again)
+    assert torch.equal(again.scorer.rm_wg.generated_prompts[0], workers.generated_prompts[0])
+    norm, again_norm = trainer.scorer.reward_norm, again.scorer.reward_norm
+    assert (again_norm.gain, again_norm.bias) == (norm.gain, norm.bias)
 
 
 def test_trainer_scores_with_normalization_stop_token_and_penalty(builtin, tokenizer, tmp_path):
     trainer = make_trainer(builtin, tokenizer, tmp_path, stop_token=".", missing_stop_penalty=-3.0)
-    trainer.reward_fn = NaiveRewardManager(tokenizer, num_examine=0, timeout_s=None)  # reward model alone
-    trainer._fit_reward_normalization()
+    trainer.scorer.reward_fn = NaiveRewardManager(tokenizer, num_examine=0, timeout_s=None)  # reward model alone
+    fit_normalization(trainer)
     batch = DataProto.from_single_dict(trainer.collate_fn([trainer.train_dataset[i] for i in range(4)]))
     gen = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-    batch = batch.union(trainer.rollout_wg.generate_sequences(gen))
-    scores, _, metrics = trainer._score(batch, trainer.reward_fn)
+    batch = batch.union(trainer.rollouts.generator.generate_sequences(gen))
+    scores, _, metrics = trainer.scorer.score(batch, trainer.scorer.reward_fn)
     # answers "1.5" "23<eos>" "4.<eos>" "56.7" -> cut "1." | no stop | "4." | "56."
     raw_cut = [(tokenizer.encode(t, add_special_tokens=False)) for t in ("1.", "4.", "56.")]
-    expected = [trainer.reward_norm.gain * sum(ids) / 100 + trainer.reward_norm.bias for ids in raw_cut]
+    expected = [trainer.scorer.reward_norm.gain * sum(ids) / 100 + trainer.scorer.reward_norm.bias for ids in raw_cut]
     torch.testing.assert_close(scores.sum(-1), torch.tensor([expected[0], -3.0, expected[1], expected[2]]))
     assert metrics == {"response/missing_stop_frac": 0.25}
     assert "rm_scores" not in batch.batch.keys()  # the training batch stays as generated
@@ -297,17 +304,18 @@ def test_trainer_scores_with_normalization_stop_token_and_penalty(builtin, token
 
 def test_normalization_is_checkpointed_and_restored_not_refitted(builtin, tokenizer, tmp_path):
     trainer = make_trainer(builtin, tokenizer, tmp_path)
-    trainer._fit_reward_normalization()
+    fit_normalization(trainer)
     trainer.global_steps = 2
     trainer._save_checkpoint()
     state = torch.load(tmp_path / "ckpt" / "global_step_2" / "data" / "state.pt", weights_only=True)
-    assert state["reward_norm"] == trainer.reward_norm.state_dict()
+    assert state["reward_norm"] == trainer.scorer.reward_norm.state_dict()
 
     resumed = make_trainer(builtin, tokenizer, tmp_path)
     resumed._load_checkpoint()
-    assert resumed.global_steps == 2 and resumed.reward_norm.fitted
-    assert (resumed.reward_norm.gain, resumed.reward_norm.bias) == (trainer.reward_norm.gain, trainer.reward_norm.bias)
-    assert resumed.rm_wg.generated_prompts == []  # nothing sampled: fit() refits only when not fitted
+    assert resumed.global_steps == 2 and resumed.scorer.reward_norm.fitted
+    norm, resumed_norm = trainer.scorer.reward_norm, resumed.scorer.reward_norm
+    assert (resumed_norm.gain, resumed_norm.bias) == (norm.gain, norm.bias)
+    assert resumed.scorer.rm_wg.generated_prompts == []  # nothing sampled: fit() refits only when not fitted
 
 
 # ------------------------------------------------------------------------------------------ preflight

@@ -118,7 +118,6 @@ class DataParallelPPOActor(BasePPOActor):
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode) if actor_optimizer else None
         self.ptx_sampler = ptx_sampler  # PPO-ptx batches, used when config.ptx.coef > 0
         self.ema = ema
-        self.nan_logits = False  # fault injection (trainer.health.inject): the update's logits become NaN
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -144,8 +143,6 @@ class DataParallelPPOActor(BasePPOActor):
         # a pass over the (B, L, V) logits, forward and backward, saved.
         if temperature != 1.0:
             logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
-        if self.nan_logits:
-            logits = logits * float("nan")
         log_probs = logprobs_from_logits(logits, labels)
         entropy = None
         if calculate_entropy:  # fp32, block-wise like the log-probs
