@@ -15,6 +15,7 @@ import torch
 from hflow.protocol import DataProto
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.managers.dapo import GENERATED_RESPONSE_MASK
+from hflow.workers.fsdp_workers import RewardModelWorker
 
 
 def response_mask(batch: DataProto) -> torch.Tensor:
@@ -98,7 +99,7 @@ class BatchScorer:
 
     def rm_scores(self, batch: DataProto) -> DataProto:
         """The reward model's `rm_scores`, normalised with the fitted gain and bias (reward_model.normalize)."""
-        output = self.rm_wg.compute_rm_score(batch)
+        output = self.rm_wg.call(RewardModelWorker.compute_rm_score, batch)
         if self.reward_norm is not None and self.reward_norm.fitted:
             output.batch["rm_scores"] = self.reward_norm.apply(output.batch["rm_scores"], response_mask(batch))
         return output
@@ -116,7 +117,7 @@ class BatchScorer:
         batch = generate(DataProto.from_single_dict(collate_fn([dataset[i] for i in indices])), n=1)
         if self.stop_token_id is not None:  # fit on what the reward model sees in training
             batch, _ = reward_shaping.stop_token_view(batch, self.stop_token_id, self.tokenizer.pad_token_id)
-        rm_scores = self.rm_wg.compute_rm_score(batch).batch["rm_scores"]
+        rm_scores = self.rm_wg.call(RewardModelWorker.compute_rm_score, batch).batch["rm_scores"]
         has_response = response_mask(batch).sum(-1) > 0
         self.reward_norm.fit(rm_scores.sum(-1)[has_response])
         print(f"reward_model.normalize: gain={self.reward_norm.gain:.6g} bias={self.reward_norm.bias:.6g} "

@@ -20,7 +20,7 @@ from hflow import CONFIG_DIR
 from hflow.config_schema import ConfigError, check_override_key
 from hflow.sandbox import sandbox_env
 from hflow.tasks.defaults import fill_builtin_defaults
-from hflow.trainer.config import SCHEMAS, default_config, validate_config
+from hflow.trainer.config import SCHEMAS, validate_config
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from hflow.protocol import DataProto
+from hflow.single_controller.base import Worker
 
 FAULTS = ("lr_scale", "nan_logits", "reward")
 
@@ -73,7 +74,7 @@ def install(trainer) -> None:
 def _arm(actor_wg, fault: dict | None) -> None:
     """Set the fault every actor rank applies to its next updates (None: none)."""
     ranks = DataProto.from_dict({"rank": torch.arange(actor_wg.world_size)}, meta_info={"fault": fault})
-    actor_wg.execute_with_func_generator(_arm_rank, ranks)
+    actor_wg.call(Worker.execute_with_func_generator, _arm_rank, ranks)
 
 
 def _arm_rank(worker, data: DataProto) -> DataProto:

@@ -30,7 +30,8 @@ from hflow.reward import shaping as reward_shaping
 from hflow.reward.batch_scorer import BatchScorer, response_mask as compute_response_mask
 from hflow.trainer.config import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo import faults
-from hflow.trainer.ppo.health import HealthRollback, zero_advantage_group_frac
+from hflow.trainer.ppo.health import zero_advantage_group_frac
+from hflow.trainer.ppo.rollback import HealthRollback
 from hflow.trainer.ppo.rollout_source import PendingRollout, RolloutSource, SplitRolloutSource, timer
 from hflow.trainer.ppo.validation import dump_generations, validate
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
@@ -43,6 +44,8 @@ from hflow.trainer.ppo.metric_utils import (
 from hflow.utils.errors import UserError
 from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
+from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from hflow.workers.rollout_worker import RolloutWorker
 
 __all__ = ["RayPPOTrainer", "Role", "apply_kl_penalty", "compute_advantage", "compute_response_mask",
            "make_worker_group", "timer"]
@@ -153,7 +156,6 @@ class RayPPOTrainer:
         """The training pool: one process per device, every training role colocated in it. With
         `trainer.placement=split`, also the rollout pool of standalone vLLM engines, joined to the actor
         by the weight stream; otherwise the actor's own engine generates (built last, in its process)."""
-        from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         trainer_cfg = self.config.trainer
         train_nodes, rollout_nodes = placement_pools(int(trainer_cfg.nnodes), int(trainer_cfg.n_gpus_per_node),
@@ -168,9 +170,10 @@ class RayPPOTrainer:
         if self.use_reference_policy and not ref_in_actor:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.scorer.use_rm:
+            rm_worker = RewardModelWorker
             if self.config.reward_model.style == "generative":  # a chat model judges, on its own vLLM engine
-                from hflow.reward.judge_worker import GenerativeRewardModelWorker as RewardModelWorker
-            roles[Role.RewardModel.value] = ClassWithInitArgs(RewardModelWorker, config=self.config.reward_model)
+                from hflow.reward.judge_worker import GenerativeRewardModelWorker as rm_worker
+            roles[Role.RewardModel.value] = ClassWithInitArgs(rm_worker, config=self.config.reward_model)
         self.worker_group = make_worker_group(trainer_cfg, create_colocated_worker_cls(roles), train_nodes,
                                               name="train_pool")
         groups = self.worker_group.spawn(roles.keys())
@@ -180,8 +183,6 @@ class RayPPOTrainer:
         self.actor_rollout_wg = groups[Role.ActorRollout.value]
         self.worker_group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
         if rollout_nodes:  # split: a pool of its own generates, on its own devices
-            from hflow.workers.rollout_worker import RolloutWorker
-
             pool = make_worker_group(trainer_cfg, ClassWithInitArgs(RolloutWorker, config=arr), rollout_nodes,
                                      name="rollout_pool")
             self.rollouts = SplitRolloutSource(self.config, pool, self.train_dataloader, self.actor_rollout_wg,
@@ -190,9 +191,10 @@ class RayPPOTrainer:
             self.rollouts = RolloutSource(self.config, self.actor_rollout_wg, self.train_dataloader,
                                           self._score_rollout)
         self.rollouts.start(int(trainer_cfg.seed))  # split: the engines start while the models load
-        for wg in (self.critic_wg, self.ref_policy_wg, self.rm_wg, self.actor_rollout_wg):
+        for wg, worker in ((self.critic_wg, CriticWorker), (self.ref_policy_wg, ActorRolloutRefWorker),
+                           (self.rm_wg, RewardModelWorker), (self.actor_rollout_wg, ActorRolloutRefWorker)):
             if wg is not None:
-                wg.init_model()
+                wg.call(worker.init_model)
         if ref_in_actor:
             self.ref_policy_wg = self.actor_rollout_wg
         self.rollouts.connect()  # split: the weight stream from the actor to the rollout pool
@@ -283,7 +285,7 @@ class RayPPOTrainer:
             pass  # on-policy update: its forward pass runs the sampling weights and detaches them
         else:
             with timer("old_log_prob", timing):
-                old_log_prob = self.actor_rollout_wg.compute_log_prob(batch)
+                old_log_prob = self.actor_rollout_wg.call(ActorRolloutRefWorker.compute_log_prob, batch)
             entropys = old_log_prob.batch.pop("entropys")
             metrics["actor/entropy"] = core_algos.agg_loss(
                 entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode).item()
@@ -299,10 +301,10 @@ class RayPPOTrainer:
         # 5. reference log-probs and values
         if self.use_reference_policy:
             with timer("ref", timing):
-                batch = batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+                batch = batch.union(self.ref_policy_wg.call(ActorRolloutRefWorker.compute_ref_log_prob, batch))
         if self.use_critic:
             with timer("values", timing):
-                batch = batch.union(self.critic_wg.compute_values(batch))
+                batch = batch.union(self.critic_wg.call(CriticWorker.compute_values, batch))
 
         # 6. rewards (optionally KL-penalised) and advantages, on the driver
         with timer("adv", timing):
@@ -322,11 +324,11 @@ class RayPPOTrainer:
         # 7. update the critic, then (after the warm-up) the actor
         if self.use_critic:
             with timer("update_critic", timing):
-                critic_output = self.critic_wg.update_critic(batch)
+                critic_output = self.critic_wg.call(CriticWorker.update_critic, batch)
             metrics.update(reduce_metrics(critic_output.meta_info["metrics"]))
         if self.config.trainer.critic_warmup <= self.global_steps - 1:
             with timer("update_actor", timing):
-                actor_output = self.actor_rollout_wg.update_actor(batch)
+                actor_output = self.actor_rollout_wg.call(ActorRolloutRefWorker.update_actor, batch)
             self.rollouts.weights_updated()
             metrics.update(reduce_metrics(actor_output.meta_info["metrics"]))
 
@@ -435,9 +437,10 @@ class RayPPOTrainer:
         `healthy`: the state saved is one the health watch already trusts (just restored)."""
         checkpoints = self.checkpoints
         step_dir = checkpoints.step_dir(self.global_steps)
-        self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=self.global_steps)
+        self.actor_rollout_wg.call(ActorRolloutRefWorker.save_checkpoint, str(step_dir / "actor"),
+                                    global_step=self.global_steps)
         if self.use_critic:
-            self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=self.global_steps)
+            self.critic_wg.call(CriticWorker.save_checkpoint, str(step_dir / "critic"), global_step=self.global_steps)
         # Batches in flight are not saved: a resumed run draws them again and generates them with its weights
         state = {"dataloader": self.rollouts.loader_state(), "kl_ctrl": getattr(self.kl_ctrl_in_reward, "value", None)}
         if self.health is not None:
@@ -456,9 +459,9 @@ class RayPPOTrainer:
             return
         self.global_steps = StepCheckpoints.step_of(step_dir)
         print(f"resuming from {step_dir} (step {self.global_steps})")
-        self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"))
+        self.actor_rollout_wg.call(ActorRolloutRefWorker.load_checkpoint, str(step_dir / "actor"))
         if self.use_critic:
-            self.critic_wg.load_checkpoint(str(step_dir / "critic"))
+            self.critic_wg.call(CriticWorker.load_checkpoint, str(step_dir / "critic"))
         state = self.checkpoints.load_driver_state(step_dir)
         self.train_dataloader.load_state_dict(state["dataloader"])
         if self.kl_ctrl_in_reward is not None and state.get("kl_ctrl") is not None:

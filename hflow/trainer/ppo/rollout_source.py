@@ -23,6 +23,8 @@ import torch
 
 from hflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hflow.single_controller.base import GroupCall, WorkerGroup
+from hflow.workers.fsdp_workers import ActorRolloutRefWorker
+from hflow.workers.rollout_worker import RolloutWorker
 from hflow.trainer.ppo.metric_utils import reduce_metrics
 
 
@@ -80,6 +82,8 @@ class RolloutSource:
     asynchronous runs without a reward model (a reward model is a worker of the training pool: it scores
     in the step). `version` counts the actor's updates (the policy version).
     """
+
+    engine_worker = ActorRolloutRefWorker  # the worker class whose engine generates
 
     def __init__(self, config, generator: WorkerGroup, train_dataloader, score: ScoreRollout | None = None):
         self.generator = generator
@@ -210,7 +214,7 @@ class RolloutSource:
         gen_batch.meta_info.update(meta)
         self._push_weights()  # split placement: the engines may be one update behind
         padded, pad_size = pad_dataproto_to_divisor(gen_batch, self.world_size)
-        output = unpad_dataproto(self.generator.generate_sequences(padded), pad_size)
+        output = unpad_dataproto(self.generator.call(self.engine_worker.generate_sequences, padded), pad_size)
         output.meta_info.pop("metrics", None)
         return batch.union(output)
 
@@ -218,11 +222,11 @@ class RolloutSource:
         """ReMax's greedy responses to the prompts of `gen_batch` (a batch in flight's generation inputs)."""
         greedy_batch = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
                                  meta_info={**gen_batch.meta_info, "do_sample": False})
-        return self.generator.generate_sequences(greedy_batch)
+        return self.generator.call(self.engine_worker.generate_sequences, greedy_batch)
 
     def describe(self) -> str:
         """What the engines hold, rank by rank (vLLM only)."""
-        return describe_rollout_pool(self.generator.engine_info())
+        return describe_rollout_pool(self.generator.call(self.engine_worker.engine_info))
 
     # ------------------------------------------------------------------ the pipeline
 
@@ -234,7 +238,7 @@ class RolloutSource:
         self._push_weights()
         self._generation_meta(gen_batch)
         receive, self._receive = self._receive, None
-        rollout = PendingRollout(batch, gen_batch, self.generator.generate_sequences.submit(gen_batch),
+        rollout = PendingRollout(batch, gen_batch, self.generator.start(self.engine_worker.generate_sequences, gen_batch),
                                  self.version, loader_state, receive=receive)
         if self._scoring is not None:
             rollout.scored = self._scoring.submit(self._generate_and_score, rollout)
@@ -259,6 +263,8 @@ class SplitRolloutSource(RolloutSource):
     """The batches of a split run (`trainer.placement=split`): a rollout pool of standalone vLLM engines
     (`generator`, its own group on its own devices) generates; the actor streams its weights to it."""
 
+    engine_worker = RolloutWorker
+
     def __init__(self, config, generator: WorkerGroup, train_dataloader, actor: WorkerGroup,
                  score: ScoreRollout | None = None):
         super().__init__(config, generator, train_dataloader, score)
@@ -271,7 +277,7 @@ class SplitRolloutSource(RolloutSource):
     def start(self, seed: int) -> None:
         """Seed the rollout pool and start building its engines (they start while the models load)."""
         self.generator.execute_all_sync("seed_everything", seed)
-        self._starting = self.generator.init_model.submit()
+        self._starting = self.generator.start(RolloutWorker.init_model)
 
     def connect(self) -> None:
         """Wait for the engines, then open the weight stream: a process group over the actor's rank 0 and
@@ -279,9 +285,9 @@ class SplitRolloutSource(RolloutSource):
         self._starting.result()
         addr, port = self.actor.execute_rank_zero_sync("pick_rendezvous_address")
         world = 1 + self.generator.world_size
-        self._weight_manifest = self.actor.weight_manifest()
-        joins = [self.actor.join_weight_group.submit(addr, port, world),
-                 self.generator.join_weight_group.submit(addr, port, world, self._weight_manifest)]
+        self._weight_manifest = self.actor.call(ActorRolloutRefWorker.weight_manifest)
+        joins = [self.actor.start(ActorRolloutRefWorker.join_weight_group, addr, port, world),
+                 self.generator.start(RolloutWorker.join_weight_group, addr, port, world, self._weight_manifest)]
         for join in joins:
             join.result()
 
@@ -295,8 +301,8 @@ class SplitRolloutSource(RolloutSource):
         if self.engine_version == self.version:
             return
         started = time.perf_counter()
-        send = self.actor.send_weights.submit(self._weight_manifest, self.version)
-        self._receive = self.generator.receive_weights.submit(self._weight_manifest, self.version)
+        send = self.actor.start(ActorRolloutRefWorker.send_weights, self._weight_manifest, self.version)
+        self._receive = self.generator.start(RolloutWorker.receive_weights, self._weight_manifest, self.version)
         sent = send.result()[0]
         self.engine_version = self.version
         self._stream_metrics = {"timing_s/weight_stream": time.perf_counter() - started,
