@@ -23,6 +23,7 @@ from hflow.workers.config import check_offload, check_optim
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs
 from hflow.trainer.checkpoints import StepCheckpoints
+from hflow.trainer.resume import check_resume_origin, write_model_origin
 from hflow.trainer.ppo.metric_utils import reduce_metrics
 from hflow.utils.tracking import Tracking, check_backends
 from hflow.workers.supervised_workers import StageWorker
@@ -47,6 +48,10 @@ def check_stage_config(config: DictConfig, stage: str) -> None:
                           "set trainer.n_gpus_per_node=1 trainer.nnodes=1")
     check_choice(data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
     check_resume(trainer)
+    step_dir = StepCheckpoints(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path).find()
+    line = check_resume_origin(step_dir, "model", "model.path", config.model.path)
+    if line:
+        print(line, flush=True)
     for key in ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "trainer.total_epochs"):
         check_positive(OmegaConf.select(config, key), key)
     check_node_resources(config)
@@ -179,6 +184,7 @@ class SupervisedTrainer:
         step_dir = self.checkpoints.step_dir(self.global_steps)
         self.worker_group.call(StageWorker.save_checkpoint, str(step_dir / "model"), global_step=self.global_steps)
         self.checkpoints.save_driver_state(self.global_steps, {"dataloader": self.train_dataloader.state_dict()})
+        write_model_origin(step_dir, {"model": self.config.model.path})
         self.checkpoints.commit(self.global_steps)
 
     def _load_checkpoint(self) -> None:

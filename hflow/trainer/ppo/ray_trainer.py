@@ -32,6 +32,7 @@ from hflow.trainer.config import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo import faults
 from hflow.trainer.ppo.health import zero_advantage_group_frac
 from hflow.trainer.ppo.rollback import HealthRollback
+from hflow.trainer.resume import write_model_origin
 from hflow.trainer.ppo.rollout_source import PendingRollout, RolloutSource, SplitRolloutSource, timer
 from hflow.trainer.ppo.validation import dump_generations, validate
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
@@ -449,6 +450,8 @@ class RayPPOTrainer:
             state["reward_norm"] = self.scorer.reward_norm.state_dict()
         state.update(self.rollouts.state_dict())  # split: the rollout pool's generation state
         checkpoints.save_driver_state(self.global_steps, state)
+        write_model_origin(step_dir, {"actor": self.config.actor_rollout_ref.model.path,
+                                      "critic": self.config.critic.model.path if self.use_critic else None})
         checkpoints.commit(self.global_steps)
         if self.health is not None:
             self.health.saved(self.global_steps, healthy)
