@@ -64,3 +64,44 @@ def test_same_shapes_at_another_path_resume_with_a_line_that_says_so(tmp_path):
 
 def test_nothing_to_resume_says_nothing(tmp_path):
     assert check_resume_origin(None, "actor", "actor_rollout_ref.model.path", str(model_dir(tmp_path, "m"))) is None
+
+
+def test_a_rerun_into_an_experiment_of_another_model_stops_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """The issue's row: the built-in run pointed at an experiment folder whose checkpoint came from a model with
+    another vocabulary ends in one `hflow: error:` line naming both, before Ray or any model starts."""
+    import importlib
+    import sys
+
+    from hflow.tasks.builtin_task import ensure_builtin_assets
+    from hflow.trainer.checkpoints import LATEST_MARKER
+
+    builtin = Path(ensure_builtin_assets().model_path)
+    shape = json.loads((builtin / "config.json").read_text())
+    experiment = tmp_path / "exp"
+    step = experiment / "global_step_1"
+    (step / "actor" / "huggingface").mkdir(parents=True)
+    (step / "actor" / "huggingface" / "config.json").write_text(json.dumps({**shape, "vocab_size": shape["vocab_size"] + 2}))
+    (step / "data").mkdir()
+    (step / "data" / "state.pt").write_bytes(b"")
+    write_model_origin(step, {"actor": str(tmp_path / "older-model")})
+    (experiment / LATEST_MARKER).write_text("1")
+
+    main_ppo = importlib.import_module("hflow.trainer.main_ppo")
+    monkeypatch.setattr(main_ppo, "build_trainer", lambda *a, **k: pytest.fail("the run got past preflight"))
+    monkeypatch.setattr(main_ppo, "install_library_filter", lambda: None)
+    monkeypatch.setattr(main_ppo, "_stop_ray", lambda: None)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["main_ppo", "algorithm.adv_estimator=grpo", f"trainer.default_local_dir={experiment}",
+                                      "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null",
+                                      f"hydra.run.dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_:
+        main_ppo.main()
+    captured = capsys.readouterr()
+    last = (captured.out + captured.err).strip().splitlines()[-1]
+    assert exit_.value.code == 1 and "Traceback" not in captured.err
+    assert last.startswith("hflow: error: trainer.resume_mode would resume"), last
+    for words in (str(step), f"vocab_size {shape['vocab_size'] + 2} vs {shape['vocab_size']}", "trainer.experiment_name",
+                  "trainer.resume_mode=disable"):
+        assert words in last, (words, last)
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
