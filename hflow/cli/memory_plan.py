@@ -43,7 +43,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hflow.utils.errors import ConfigError
+from hflow.utils.errors import ConfigError, UserError
+from hflow.utils.safe_output import check_output_file, staged_file
 
 __all__ = ["ASSUMED", "Phase", "Plan", "Remedy", "check_memory_plan", "main", "plan_memory", "remedies",
            "summary_line"]
@@ -757,19 +758,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     try:
+        out = None if args.out is None else check_output_file(
+            args.out, arg="--out", what="the memory plan", inputs=_paths_in(args.overrides))
         config = compose(args.overrides)
         target = args.target or ("cuda" if _cuda() else "cpu")
         device_bytes = args.device_memory_gb * GIB if args.device_memory_gb else None
         plan = plan_memory(config, target, device_bytes)
         found = [] if args.no_remedies else remedies(config, plan, target)
-    except ConfigError as err:
+    except UserError as err:
         print(f"hflow: error: {err}", file=sys.stderr)
         return 2
     text = format_plan(plan, found)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out is not None:
+        try:
+            with staged_file(out) as tmp:
+                tmp.write_text(text + "\n")
+        except OSError as err:
+            print(f"hflow: error: --out {args.out}: {err.strerror or err}; name a file you can write",
+                  file=sys.stderr)
+            return 2
     return 0 if plan.fits else 1
+
+
+def _paths_in(overrides: list[str]) -> dict[str, str]:
+    """{key: path} of the override values that name existing files or folders (a model, data files): what
+    the plan reads, which --out must not overwrite."""
+    paths = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        for part in value.strip("[]").split(","):
+            part = part.strip().strip("'\"")
+            if part and os.path.exists(os.path.expanduser(part)):
+                name = key.lstrip("+~")
+                paths[name if name not in paths else f"{name} ({part})"] = part
+    return paths
 
 
 def _cuda() -> bool:

@@ -638,6 +638,24 @@ def ensure_cached_folder(
     return final
 
 
+def run_cache_command(cache_dir: str | None, build: Callable[[], int]) -> int:
+    """A task builder's command line: `cache_dir` checked before any work (a folder, writable, not in a
+    training checkpoint folder: `hflow.utils.safe_output`), then `build()`; a refused or unwritable path is
+    one `hflow: error:` paragraph and status 2, no traceback."""
+    from hflow.utils.errors import UserError
+    from hflow.utils.safe_output import check_output_folder
+
+    try:
+        if cache_dir is not None:
+            check_output_folder(cache_dir, arg="--cache-dir", what="the cache", inputs={}, overwrite=None)
+        return build()
+    except (UserError, OSError) as err:
+        message = str(err) if isinstance(err, UserError) else f"{err.filename or cache_dir}: {err.strerror or err}"
+        print(f"hflow: error: {message}; pass --cache-dir with a folder you can write (default $HFLOW_CACHE "
+              "or ~/.cache/hflow)", file=sys.stderr)
+        return 2
+
+
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["--_build-model"]:  # internal: the fresh-process model build
         model_dir, spec_json = Path(argv[1]), argv[2]
@@ -659,6 +677,10 @@ def _main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cache_command(args.cache_dir, lambda: _print_assets(args))
+
+
+def _print_assets(args) -> int:
     assets = ensure_builtin_assets(args.cache_dir, spec=QUICK_SPEC if args.quick else DEFAULT_SPEC)
     print(json.dumps(asdict(assets), indent=2))
     info = json.loads(Path(assets.info_file).read_text())

@@ -37,6 +37,7 @@ from hflow.tasks.builtin_task import (
     _quiet_transformers,
     builtin_problems,
     ensure_cached_folder,
+    run_cache_command,
     split_problems,
 )
 from hflow.utils.judge import render_judge_prompt
@@ -213,7 +214,11 @@ def _main(argv: list[str]) -> int:
         with _quiet_transformers():
             _build_model(Path(argv[1]), JudgeSpec(**json.loads(argv[2])))
         return 0
-    assets = ensure_judge_assets(argv[0] if argv else None)
+    return run_cache_command(argv[0] if argv else None, lambda: _print_assets(argv[0] if argv else None))
+
+
+def _print_assets(cache_dir: str | None) -> int:
+    assets = ensure_judge_assets(cache_dir)
     print(json.dumps(asdict(assets), indent=2))
     print(Path(assets.info_file).read_text())
     return 0
