@@ -45,7 +45,7 @@ import torch
 
 from hflow.utils.checkpoint import HF_DIR, LORA_DIR
 from hflow.utils.errors import UserError
-from hflow.utils.safe_output import check_output_folder, staged_folder
+from hflow.utils.safe_output import OutputError, check_output_folder, staged_folder
 
 __all__ = ["CheckpointError", "convert_checkpoint", "main", "verify_conversion"]
 
@@ -332,11 +332,14 @@ def convert_checkpoint(src: str | Path, dst: str | Path, ema: bool = False, dtyp
         if dtype not in _DTYPES:
             raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
-    dst = check_output_folder(dst, arg="OUT_DIR", what="the Hugging Face folder", overwrite=overwrite,
-                              inputs={"the checkpoint": src, "the checkpoint folder": checkpoint,
-                                      "--model-path": model_path},
-                              earlier_output=_is_earlier_output,
-                              earlier_what="an earlier output of the converter (a config.json, no subfolders)")
+    try:
+        dst = check_output_folder(dst, arg="OUT_DIR", what="the Hugging Face folder", overwrite=overwrite,
+                                  inputs={"the checkpoint": src, "the checkpoint folder": checkpoint,
+                                          "--model-path": model_path},
+                                  earlier_output=_is_earlier_output,
+                                  earlier_what="an earlier output of the converter (a config.json, no subfolders)")
+    except OutputError as err:
+        raise CheckpointError(str(err)) from None
     hf_dir = _hf_source(checkpoint, model_path)
     config, generation = _load_config(hf_dir)
     if dtype is not None:

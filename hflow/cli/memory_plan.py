@@ -44,7 +44,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hflow.utils.errors import ConfigError, UserError
-from hflow.utils.safe_output import check_output_file, staged_file
+from hflow.utils.safe_output import check_output_file, paths_in_overrides, staged_file
 
 __all__ = ["ASSUMED", "Phase", "Plan", "Remedy", "check_memory_plan", "main", "plan_memory", "remedies",
            "summary_line"]
@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = None if args.out is None else check_output_file(
-            args.out, arg="--out", what="the memory plan", inputs=_paths_in(args.overrides))
+            args.out, arg="--out", what="the memory plan", inputs=paths_in_overrides(args.overrides))
         config = compose(args.overrides)
         target = args.target or ("cuda" if _cuda() else "cpu")
         device_bytes = args.device_memory_gb * GIB if args.device_memory_gb else None
@@ -779,20 +779,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     return 0 if plan.fits else 1
-
-
-def _paths_in(overrides: list[str]) -> dict[str, str]:
-    """{key: path} of the override values that name existing files or folders (a model, data files): what
-    the plan reads, which --out must not overwrite."""
-    paths = {}
-    for override in overrides:
-        key, _, value = override.partition("=")
-        for part in value.strip("[]").split(","):
-            part = part.strip().strip("'\"")
-            if part and os.path.exists(os.path.expanduser(part)):
-                name = key.lstrip("+~")
-                paths[name if name not in paths else f"{name} ({part})"] = part
-    return paths
 
 
 def _cuda() -> bool:

@@ -649,10 +649,12 @@ def run_cache_command(cache_dir: str | None, build: Callable[[], int]) -> int:
         if cache_dir is not None:
             check_output_folder(cache_dir, arg="--cache-dir", what="the cache", inputs={}, overwrite=None)
         return build()
-    except (UserError, OSError) as err:
-        message = str(err) if isinstance(err, UserError) else f"{err.filename or cache_dir}: {err.strerror or err}"
-        print(f"hflow: error: {message}; pass --cache-dir with a folder you can write (default $HFLOW_CACHE "
-              "or ~/.cache/hflow)", file=sys.stderr)
+    except UserError as err:
+        print(f"hflow: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"hflow: error: {err.filename or cache_dir}: {err.strerror or err}; pass --cache-dir with a folder "
+              "you can write (default $HFLOW_CACHE or ~/.cache/hflow)", file=sys.stderr)
         return 2
 
 

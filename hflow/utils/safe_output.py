@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Mapping
 from hflow.utils.errors import UserError
 
 __all__ = ["OutputError", "check_output_file", "check_output_folder", "checkpoint_around", "is_checkpoint_folder",
-           "real_path", "staged_file", "staged_folder"]
+           "paths_in_overrides", "real_path", "staged_file", "staged_folder"]
 
 LATEST = "latest_checkpointed_iteration.txt"  # hflow.trainer.checkpoints' marker of an experiment root
 _SCAN_LIMIT = 10_000  # entries of a folder to replace that are searched for checkpoints
@@ -93,12 +93,12 @@ def _check_inputs(dst: Path, arg: str, shown: str, inputs: Mapping[str, str | os
         src = real_path(given)
         if dst == src:
             raise OutputError(f"{arg} {shown} is {name} {given}, which this tool reads; writing {what} there "
-                              f"would destroy it. Name a new {'folder' if container else 'file'} for {arg}, "
-                              f"outside {given}")
+                              f"would destroy it. Name another {'folder' if container else 'file'} for {arg}")
         if container and _inside(src, dst):
-            raise OutputError(f"{arg} {shown} contains {name} {given}, which this tool reads; writing {what} "
-                              f"there could destroy it. Name a new folder for {arg} that is not a parent of "
-                              f"{given}, e.g. {dst.parent / (dst.name + '-out')}")
+            raise OutputError(f"{arg} {shown} contains {name} {given}, which this tool reads (an output never "
+                              f"holds an input: replacing or cleaning it would take the input along). Name a new "
+                              f"folder for {what} that is not a parent of {given}, e.g. "
+                              f"{dst.parent / (dst.name + '-out')}")
         if _inside(dst, src):
             raise OutputError(f"{arg} {shown} lies inside {name} {given}, which this tool reads; write {what} "
                               f"outside it, e.g. {src.parent / (src.name + '-out')}")
@@ -154,6 +154,20 @@ def check_output_folder(out: str | os.PathLike, *, arg: str, inputs: Mapping[str
         raise OutputError(f"{arg} {shown} is not {earlier_what}, so --overwrite refuses to delete it (it replaces "
                           f"only an earlier output of this tool); name a new folder for {arg}")
     return dst
+
+
+def paths_in_overrides(overrides: list[str]) -> dict[str, str]:
+    """{key: path} of the `key=value` overrides (a value may be a list `[a,b]`) whose values name existing
+    files or folders -- a model, data files: what a tool given them reads."""
+    paths = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        for part in value.strip("[]").split(","):
+            part = part.strip().strip("'\"")
+            if part and os.path.exists(os.path.expanduser(part)):
+                name = key.lstrip("+~")
+                paths[name if name not in paths else f"{name} ({part})"] = part
+    return paths
 
 
 def check_output_file(out: str | os.PathLike, *, arg: str, inputs: Mapping[str, str | os.PathLike | None],
