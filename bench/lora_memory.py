@@ -3,9 +3,9 @@
 Settings, each in a fresh process:
 
   full       every weight trains (AdamW over all parameters)
-  lora       hflow's LoRA as the actor builds it (`hflow.workers.lora.add_lora`: PEFT adapters, rank 8, alpha
+  lora       hflow's LoRA as the actor builds it (`hflow.workers.fsdp.lora.add_lora`: PEFT adapters, rank 8, alpha
              16, all linear layers, each wrapped linear adding its adapter in place), AdamW over the adapters
-  lora-peft  the same adapters with PEFT's own forward (`fsdp_utils.apply_lora` alone), for the breakdown
+  lora-peft  the same adapters with PEFT's own forward (`fsdp.apply_lora` alone), for the breakdown
 
 Each process loads the model as the actor does (fp32 master weights), builds AdamW from the trainable
 parameters, and runs --steps optimizer steps (forward, backward, step, gradients set to None) on a batch of
@@ -59,8 +59,8 @@ def measure(model_path: str, setting: str, steps: int) -> dict:
     from omegaconf import OmegaConf
 
     from hflow.config_schema import default_config
-    from hflow.utils.fsdp_utils import apply_lora, build_optimizer, load_causal_lm
-    from hflow.workers.lora import add_lora
+    from hflow.workers.fsdp import apply_lora, build_optimizer, load_causal_lm
+    from hflow.workers.fsdp.lora import add_lora
 
     torch.manual_seed(0)
     model = load_causal_lm(model_path, dtype="float32")
@@ -197,7 +197,7 @@ def report(rows: list[dict], args: argparse.Namespace, started: str, elapsed: fl
             "lora_B(lora_A(x)) * scaling`, three tensors of the output's size (B's output, its scaled copy, the sum) "
             f"per linear and call, freed at once. The {int(lora['lora_linears'])} wrapped linears of each forward leave "
             "activation-sized holes in the heap between the activations that stay for backward; the allocator keeps "
-            "them. hflow's forward (`hflow/workers/lora.py`) adds x A^T B^T into the base output in place, so the "
+            "them. hflow's forward (`hflow/workers/fsdp/lora.py`) adds x A^T B^T into the base output in place, so the "
             "adapter allocates only the rank-8 product; `tests/workers/test_lora.py` fails if an output-sized "
             "temporary comes back, or if frozen weights get gradients or AdamW state.",
         ]

@@ -213,9 +213,9 @@ def check_model(name: str, model_path: str | None, rows: list, settings=None) ->
 
 
 def _by_cat(phase):
-    from hflow.cli.memory_plan import _trace
+    from hflow.cli.memory_facts import trace
 
-    return _trace(phase.spec).items()
+    return trace(phase.spec).items()
 
 
 def qwen_plan(args: list[str]) -> tuple[str, str]:

@@ -65,7 +65,7 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     from hflow.config_schema import default_section
     from hflow.protocol import DataProto
     from hflow.single_controller.base.worker import get_free_port
-    from hflow.utils import fsdp_utils
+    from hflow.workers import fsdp
     from hflow.tasks.tiny_models import build_causal_lm
     from hflow.utils.torch_functional import compute_position_id_with_mask
     from hflow.workers.common import load_tokenizer
@@ -78,10 +78,10 @@ def measure(size: str, rounds: int, batch: int, prompt_len: int, response_len: i
     if not (model_dir / "config.json").exists():
         build_causal_lm(model_dir, shape.pop("preset"), **shape)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{get_free_port()}", rank=0, world_size=1)
-    module = fsdp_utils.load_causal_lm(str(model_dir))
+    module = fsdp.load_causal_lm(str(model_dir))
     params = sum(p.numel() for p in module.parameters())
     hf_config = module.config
-    module = fsdp_utils.apply_fsdp2(module, fsdp_utils.build_device_mesh(1))
+    module = fsdp.apply_fsdp2(module, fsdp.build_device_mesh(1))
     tokenizer = load_tokenizer(str(model_dir))
     config = default_section(
         "actor_rollout_ref.rollout", prompt_length=prompt_len, response_length=response_len, dtype="float32",

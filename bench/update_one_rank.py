@@ -51,7 +51,7 @@ def build_actor(model_path: str, rows: int, mesh, fsdp_on_one_rank: bool):
     from omegaconf import OmegaConf
 
     from hflow.config_schema import default_config
-    from hflow.utils.fsdp_utils import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
+    from hflow.workers.fsdp import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
     from hflow.workers.actor.dp_actor import DataParallelPPOActor
 
     config = OmegaConf.create(OmegaConf.to_container(default_config().actor_rollout_ref.actor, resolve=True))
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from hflow.utils.flops_counter import measure_matmul_flops, training_flops
-    from hflow.utils.fsdp_utils import build_device_mesh
+    from hflow.workers.fsdp import build_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
     torch.set_num_threads(2)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hflow.algorithms import core_algos
+from hflow.sandbox.config import SandboxConfig
 from hflow.utils.errors import ConfigError
 
 __all__ = [
@@ -479,6 +480,7 @@ class PPOTrainerConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
@@ -663,7 +665,7 @@ def check_positive(value: Any, key: str) -> None:
         raise ConfigError(f"{key} must be a positive integer, got {value}")
 
 
-WARMUP_STYLES = ("constant", "cosine")  # hflow.utils.fsdp_utils.build_lr_scheduler
+WARMUP_STYLES = ("constant", "cosine")  # hflow.workers.fsdp.build_lr_scheduler
 
 
 def check_optim(optim: Any, prefix: str) -> None:

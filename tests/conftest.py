@@ -37,7 +37,7 @@ def world_of_one():
     import torch.distributed as dist
 
     from hflow.utils import device
-    from hflow.utils.fsdp_utils import build_device_mesh
+    from hflow.workers.fsdp import build_device_mesh
     from tests.ranks import free_port
 
     device.set_device()
@@ -50,6 +50,6 @@ def world_of_one():
 def fsdp_on_one_rank(monkeypatch):
     """FSDP2 even where `apply_fsdp2` would leave a one-rank model plain (fp32, nothing to cast): for the
     tests of FSDP2's own behaviour (resharding, gathering) in a worker built on `world_of_one`."""
-    from hflow.utils import fsdp_utils
+    from hflow.workers.fsdp import sharding
 
-    monkeypatch.setattr(fsdp_utils, "nothing_for_fsdp_to_do", lambda *args, **kwargs: False)
+    monkeypatch.setattr(sharding, "nothing_for_fsdp_to_do", lambda *args, **kwargs: False)

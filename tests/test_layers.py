@@ -15,7 +15,7 @@ LAYERS = [
     ("__init__.py",),  # the package itself: where the shipped config folder is
     ("sandbox",),  # untrusted code: stdlib only
     ("utils",),  # general helpers: device, masked tensor math, datasets, user code, errors, ...
-    ("protocol.py",),  # DataProto
+    ("protocol",),  # DataProto and its wire format
     ("algorithms",),  # advantages, losses, KL: pure torch
     ("config_schema.py",),  # the typed configuration's machinery
     ("agent",),  # the multi-turn loop, parsers, the model's tools

@@ -43,7 +43,7 @@ def mesh():
         import torch.distributed as dist
 
         from hflow.utils import device
-        from hflow.utils.fsdp_utils import build_device_mesh
+        from hflow.workers.fsdp import build_device_mesh
 
         device.set_device()
         if not dist.is_initialized():

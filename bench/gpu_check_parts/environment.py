@@ -38,7 +38,7 @@ def environment() -> dict[str, str]:
 
     from hflow.utils import device
     from hflow.utils.flops_counter import device_peak_flops
-    from hflow.utils.fsdp_utils import default_attn_implementation
+    from hflow.workers.fsdp import default_attn_implementation
 
     env = {
         "python": platform.python_version(),

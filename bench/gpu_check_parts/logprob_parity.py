@@ -22,7 +22,7 @@ def run(part: Part, smoke: bool, workdir: Path) -> None:
     from hflow.utils import device
     from hflow.tasks.builtin_task import ensure_builtin_assets
     from hflow.utils.dataset.rl_dataset import RLHFDataset, collate_fn
-    from hflow.utils.fsdp_utils import apply_fsdp2, load_causal_lm
+    from hflow.workers.fsdp import apply_fsdp2, load_causal_lm
     from hflow.workers.actor import DataParallelPPOActor
     from hflow.workers.rollout import HFRollout
 

@@ -36,7 +36,7 @@ def _speed_once(config, seqs_per_micro: int, micro_batches: int, prompt_len: int
     from hflow.protocol import DataProto
     from hflow.utils import device
     from hflow.utils.flops_counter import device_peak_flops, forward_flops, mfu, training_flops
-    from hflow.utils.fsdp_utils import apply_fsdp2, build_optimizer, default_attn_implementation, \
+    from hflow.workers.fsdp import apply_fsdp2, build_optimizer, default_attn_implementation, \
         enable_gradient_checkpointing
     from hflow.utils.torch_functional import compute_position_id_with_mask
     from hflow.workers.actor import DataParallelPPOActor

@@ -11,313 +11,47 @@ the same prompt (same `uid`).
 Advantage estimators are looked up by name (`algorithm.adv_estimator`) and policy losses by name
 (`actor.policy_loss.loss_mode`). Every estimator runs without gradient and returns
 `(advantages, returns)`, both zero outside `response_mask`.
+
+This module holds the losses; the estimators live in `hflow.algorithms.advantages` and the KL estimators
+and controllers in `hflow.algorithms.kl`, and both are re-exported here, so every name of the contract
+imports from `hflow.algorithms.core_algos`.
 """
 
 from __future__ import annotations
 
 import enum
-import inspect
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from hflow.utils.torch_functional import entropy_from_logits, masked_mean, masked_sum, masked_whiten
-
-# ``log pi - log pi_old`` is clamped to this range before ``exp`` so that one stale token cannot
-# overflow the importance ratio (exp(20) ~ 5e8 is still finite in fp32 and bf16).
-LOG_RATIO_CLAMP = 20.0
-
-# ==================================================================================================
-# Advantage estimator registry
-# ==================================================================================================
-
-
-class AdvantageEstimator(enum.StrEnum):
-    """Names accepted by `algorithm.adv_estimator`."""
-
-    GAE = "gae"
-    GRPO = "grpo"
-    GRPO_PASSK = "grpo_passk"
-    RLOO = "rloo"
-    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
-    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
-    REMAX = "remax"
-    OPO = "opo"
-
-
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# Prompt id of each sample (the `uid` column: a numpy object array of str, a list, or an int tensor).
-GroupIndex = Sequence[Hashable] | np.ndarray | torch.Tensor
-_ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator registering an advantage estimator under `name` (a str or `AdvantageEstimator`).
-
-    Registering the same function twice is a no-op; a different function under a taken name is an error.
-    """
-    key = str(name)
-
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
-        existing = _ADV_ESTIMATORS.get(key)
-        if existing is not None and existing is not fn:
-            raise ValueError(f"advantage estimator {key!r} is already registered to {existing.__qualname__}")
-        _ADV_ESTIMATORS[key] = fn
-        return fn
-
-    return decorator
-
-
-def get_adv_estimator_fn(name: str) -> AdvantageFn:
-    """The estimator registered under `name` (case-sensitive); unknown names raise a ValueError
-    listing the known ones."""
-    try:
-        return _ADV_ESTIMATORS[str(name)]
-    except KeyError:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r}; known estimators: {', '.join(sorted(_ADV_ESTIMATORS))}"
-        ) from None
-
-
-def call_adv_estimator(name: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run estimator `name` on the subset of `inputs` its signature names.
-
-    The trainer passes everything it has (`token_level_rewards`, `response_mask`, `values`, `index`,
-    `reward_baselines`, `gamma`, `lam`, `norm_adv_by_std_in_grpo`, ...); each estimator takes what it
-    needs. A required input that is missing raises a TypeError naming it.
-    """
-    fn = get_adv_estimator_fn(name)
-    params = inspect.signature(fn).parameters
-    missing = [p for p, spec in params.items() if spec.default is inspect.Parameter.empty and p not in inputs]
-    if missing:
-        raise TypeError(f"advantage estimator {str(name)!r} needs input(s) {missing}, which were not given")
-    return fn(**{k: v for k, v in inputs.items() if k in params})
-
-
-# --------------------------------------------------------------------------------------------------
-# Group helpers (group = samples sharing a prompt uid)
-# --------------------------------------------------------------------------------------------------
-
-
-def _group_ids(index: GroupIndex, device: torch.device) -> torch.Tensor:
-    """Map each sample's uid to a dense group id 0..n_groups-1 (order of first appearance)."""
-    if isinstance(index, torch.Tensor):
-        index = index.tolist()
-    ids: dict[Hashable, int] = {}
-    dense = [ids.setdefault(uid, len(ids)) for uid in index]
-    return torch.tensor(dense, dtype=torch.long, device=device)
-
-
-def _group_stats(scores: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (size, sum, unbiased std) of its group's scores; std is 0 for groups of one."""
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    size = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, torch.ones_like(scores))
-    total = torch.zeros_like(size).index_add_(0, group, scores)
-    mean = total / size
-    sq_dev = torch.zeros_like(size).index_add_(0, group, (scores - mean[group]) ** 2)
-    std = torch.sqrt(sq_dev / (size - 1).clamp(min=1))
-    return size[group], total[group], std[group]
-
-
-def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Outcome advantage A_i placed on every valid token of sample i."""
-    return per_sample.unsqueeze(-1) * response_mask
-
-
-# --------------------------------------------------------------------------------------------------
-# Estimators
-# --------------------------------------------------------------------------------------------------
-
-
-@register_adv_est(AdvantageEstimator.GAE)
-@torch.no_grad()
-def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), right to left:
-
-        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next.
-
-    `V_next` / `A_next` belong to the next *valid* token: masked positions inside a response
-    (multi-turn observations) are skipped, and after the last valid token the episode is over
-    (V = 0, A = 0). Values and rewards at masked positions therefore never enter the result.
-    returns = A + V; the advantages are then whitened over the batch's valid tokens.
-    """
-    mask = response_mask.to(values.dtype)
-    next_value = torch.zeros_like(values[:, 0])
-    next_adv = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        adv_t = delta + gamma * lam * next_adv
-        m = mask[:, t]
-        next_value = m * values[:, t] + (1 - m) * next_value
-        next_adv = m * adv_t + (1 - m) * next_adv
-        advantages[:, t] = m * adv_t
-    returns = (advantages + values) * mask
-    advantages = masked_whiten(advantages, mask) * mask
-    return advantages, returns
-
-
-@register_adv_est(AdvantageEstimator.GRPO)
-@torch.no_grad()
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: GroupIndex,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO (Shao et al. 2024, DeepSeekMath sec. 4.1.2): A_i = (S_i - mean_G S) / (std_G S + epsilon),
-    std unbiased. With `norm_adv_by_std_in_grpo=False`, A_i = S_i - mean_G S (Dr.GRPO, Liu et al. 2025).
-
-    A group of one has no peers to compare with: mean 0, std 1, so A_i = S_i / (1 + epsilon).
-    returns = advantages.
-    """
-    scores = token_level_rewards.sum(dim=-1)
-    size, total, std = _group_stats(scores, _group_ids(index, scores.device))
-    single = size == 1
-    mean = torch.where(single, 0.0, total / size)
-    std = torch.where(single, 1.0, std)
-    adv = scores - mean
-    if norm_adv_by_std_in_grpo:
-        adv = adv / (std + epsilon)
-    advantages = _broadcast(adv, response_mask)
-    return advantages, advantages
-
-
-@register_adv_est(AdvantageEstimator.GRPO_PASSK)
-@torch.no_grad()
-def compute_grpo_passk_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: GroupIndex,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass@k GRPO (Chen et al. 2025, "Pass@k Training"): only the best sample of each group is
-    credited, with its margin over the runner-up, A_best = S_best - S_second (divided by
-    std_G S + epsilon when normalising); every other sample gets 0, and so does a group whose best
-    score is tied (margin 0). Every group needs at least two samples.
-    """
-    scores = token_level_rewards.sum(dim=-1)
-    group = _group_ids(index, scores.device)
-    size, _, std = _group_stats(scores, group)
-    if bool((size < 2).any()):
-        raise ValueError("grpo_passk needs at least 2 samples per group (rollout.n >= 2)")
-    adv = torch.zeros_like(scores)
-    for g in range(int(group.max()) + 1):
-        members = torch.nonzero(group == g).squeeze(-1)
-        top2 = torch.topk(scores[members], 2)
-        best = members[top2.indices[0]]
-        margin = top2.values[0] - top2.values[1]
-        adv[best] = margin / (std[best] + epsilon) if norm_adv_by_std_in_grpo else margin
-    advantages = _broadcast(adv, response_mask)
-    return advantages, advantages
-
-
-@register_adv_est(AdvantageEstimator.RLOO)
-@torch.no_grad()
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: GroupIndex,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): the baseline of sample i is the
-    mean score of the other samples of its group, A_i = S_i - (sum_G S - S_i) / (|G| - 1).
-    A group of one has no other sample: baseline 0, A_i = S_i. returns = advantages.
-    (`epsilon` is accepted for a uniform signature; the formula has no division by a statistic.)
-    """
-    scores = token_level_rewards.sum(dim=-1)
-    size, total, _ = _group_stats(scores, _group_ids(index, scores.device))
-    baseline = (total - scores) / (size - 1).clamp(min=1)  # a group of one: (S_i - S_i) / 1 = 0
-    advantages = _broadcast(scores - baseline, response_mask)
-    return advantages, advantages
-
-
-@register_adv_est(AdvantageEstimator.OPO)
-@torch.no_grad()
-def compute_opo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: GroupIndex,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """On-policy RL with optimal baseline (OPO, Hao et al. 2025): the group baseline is the
-    length-weighted mean score b_G = sum_j |y_j| S_j / sum_j |y_j| (|y_j| = valid tokens of sample j),
-    A_i = S_i - b_G. A group of one gets baseline 0. returns = advantages.
-    (`epsilon` is accepted for a uniform signature.)
-    """
-    scores = token_level_rewards.sum(dim=-1)
-    lengths = response_mask.sum(dim=-1).to(scores.dtype)
-    group = _group_ids(index, scores.device)
-    size, weighted, _ = _group_stats(scores * lengths, group)
-    _, total_len, _ = _group_stats(lengths, group)
-    baseline = torch.where(size > 1, weighted / total_len.clamp(min=1e-8), 0.0)
-    advantages = _broadcast(scores - baseline, response_mask)
-    return advantages, advantages
-
-
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
-@torch.no_grad()
-def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: GroupIndex,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ with group baseline (Hu 2025): S_i - mean_G S (0 for a group of one) on every valid
-    token, then whitened over all valid tokens of the batch. returns = advantages.
-    (`epsilon` is accepted for a uniform signature; whitening uses its own 1e-8.)
-    """
-    scores = token_level_rewards.sum(dim=-1)
-    size, total, _ = _group_stats(scores, _group_ids(index, scores.device))
-    mean = torch.where(size > 1, total / size, 0.0)
-    mask = response_mask.to(scores.dtype)
-    advantages = masked_whiten(_broadcast(scores - mean, mask), mask) * mask
-    return advantages, advantages
-
-
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
-@torch.no_grad()
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu 2025): discounted return-to-go G_t = r_t + gamma * G_next, whitened over the
-    batch's valid tokens. As in GAE, masked positions are skipped (G_next is the return at the next
-    valid token) and the return is 0 after the last valid token.
-    """
-    mask = response_mask.to(token_level_rewards.dtype)
-    returns = torch.zeros_like(token_level_rewards)
-    running = torch.zeros_like(token_level_rewards[:, 0])
-    for t in reversed(range(token_level_rewards.shape[1])):
-        m = mask[:, t]
-        running = m * (token_level_rewards[:, t] + gamma * running) + (1 - m) * running
-        returns[:, t] = m * running
-    advantages = masked_whiten(returns, mask) * mask
-    return advantages, returns
-
-
-@register_adv_est(AdvantageEstimator.REMAX)
-@torch.no_grad()
-def compute_remax_outcome_advantage(
-    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax (Li et al. 2023): REINFORCE with the reward of the greedy response as baseline,
-    A_t = (sum_{k>=t} r_k m_k) - b_i on valid tokens; returns = the undiscounted return-to-go."""
-    mask = response_mask.to(token_level_rewards.dtype)
-    returns = torch.flip(torch.cumsum(torch.flip(token_level_rewards * mask, dims=[-1]), dim=-1), dims=[-1]) * mask
-    advantages = returns - reward_baselines.reshape(-1, 1) * mask
-    return advantages, returns
-
+from hflow.algorithms.advantages import (  # noqa: F401 (re-exported: the contract's import path)
+    AdvantageEstimator,
+    AdvantageFn,
+    GroupIndex,
+    call_adv_estimator,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from hflow.algorithms.kl import (  # noqa: F401 (re-exported: the contract's import path)
+    KL_PENALTY_NAMES,
+    LOG_RATIO_CLAMP,
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
+    kl_penalty,
+)
+from hflow.utils.torch_functional import entropy_from_logits, masked_mean, masked_sum
 
 # ==================================================================================================
 # Loss aggregation
@@ -712,92 +446,3 @@ def compute_value_loss(
     vf_loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_batch_info)
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask).detach()
     return vf_loss, vf_clipfrac
-
-
-# ==================================================================================================
-# KL estimators and controllers
-# ==================================================================================================
-
-_KL_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-# Names `kl_penalty` accepts (`algorithm.kl_penalty`, `actor.kl_loss_type`), each also with a trailing '+'.
-KL_PENALTY_NAMES = tuple(_KL_ALIASES)
-
-
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL
-    divergence"), with delta = logprob - ref_logprob:
-
-    * `kl` / `k1`: delta (unbiased, high variance, can be negative);
-    * `abs`: |delta|;
-    * `mse` / `k2`: delta^2 / 2 (biased, low variance);
-    * `low_var_kl` / `k3`: exp(-delta) + delta - 1 >= 0 (unbiased, low variance); -delta is clamped
-      to [-20, 20] before exp and the result to [-10, 10] for stability.
-
-    A trailing `+` (e.g. `k3+`) gives the straight-through variant: the value of the named
-    estimator with the gradient of k2, delta * grad(logprob), whose expectation is the gradient of the
-    KL when it is used as a loss (k1's and k3's own gradients are not).
-    """
-    straight_through = kl_penalty.endswith("+")
-    name = _KL_ALIASES.get(kl_penalty.removesuffix("+"))
-    if name is None:
-        known = ", ".join(sorted(_KL_ALIASES) + [k + "+" for k in sorted(_KL_ALIASES)])
-        raise ValueError(f"Unknown kl_penalty {kl_penalty!r}; known estimators: {known}")
-
-    delta = logprob - ref_logprob
-    if name == "k1":
-        kl = delta
-    elif name == "abs":
-        kl = delta.abs()
-    elif name == "k2":
-        kl = 0.5 * delta.square()
-    else:
-        neg_delta = torch.clamp(-delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = torch.clamp(torch.exp(neg_delta) - neg_delta - 1, min=-10.0, max=10.0)
-
-    if straight_through:
-        k2 = 0.5 * delta.square()
-        kl = k2 + (kl - k2).detach()
-    return kl
-
-
-class FixedKLController:
-    """Constant KL coefficient."""
-
-    def __init__(self, kl_coef: float) -> None:
-        self.value = kl_coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """No-op (kept so both controllers share one interface)."""
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019, sec. 2.2): proportional control of the KL towards
-    `target_kl`, value <- value * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)."""
-
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
-        if horizon <= 0:
-            raise ValueError(f"adaptive KL controller needs horizon > 0, got {horizon}")
-        self.value = init_kl_coef
-        self.target = target_kl
-        self.horizon = horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """Move the coefficient after `n_steps` samples whose mean KL was `current_kl`."""
-        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + proportional_error * n_steps / self.horizon
-
-
-def get_kl_controller(kl_ctrl_config: Mapping[str, Any] | Any) -> FixedKLController | AdaptiveKLController:
-    """Build the controller of `algorithm.kl_ctrl`: `type` is `fixed` (uses `kl_coef`) or `adaptive`
-    (uses `kl_coef`, `target_kl`, `horizon`). The defaults live in the config schema, not here."""
-
-    def value(key: str) -> Any:
-        return kl_ctrl_config[key] if isinstance(kl_ctrl_config, Mapping) else getattr(kl_ctrl_config, key)
-
-    ctrl_type = value("type")
-    if ctrl_type == "fixed":
-        return FixedKLController(kl_coef=value("kl_coef"))
-    if ctrl_type == "adaptive":
-        return AdaptiveKLController(
-            init_kl_coef=value("kl_coef"), target_kl=value("target_kl"), horizon=value("horizon"))
-    raise ValueError(f"Unknown algorithm.kl_ctrl.type {ctrl_type!r}; known types: fixed, adaptive")

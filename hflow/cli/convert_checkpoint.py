@@ -8,12 +8,13 @@ entries of `model_optim/` (DCP shards written by any number of ranks) are read w
 and without the optimizer state; LoRA adapters are merged into their base weights
 (W + scaling * B @ A, scaling = lora_alpha / r as PEFT computes it) under the base model's names;
 `--ema` writes the EMA of the weights (`actor.ema.enable`) instead of the live ones. OUT_DIR gets
-config, generation config, tokenizer and safetensors shards (`hflow.utils.checkpoint.save_hf_model`'s
-writer); a tied `lm_head` is left out, as Hugging Face loaders re-tie it. `--verify` then loads OUT_DIR with `transformers` and compares its logits
+config, generation config, tokenizer and safetensors shards (`hflow.workers.fsdp.checkpoint.save_hf_model`'s
+writer); a tied `lm_head` is left out, as Hugging Face loaders re-tie it. `--verify` then loads OUT_DIR
+with `transformers` and compares its logits
 with the checkpoint's own model (base weights plus unmerged adapters, as in training) built on CPU.
 
 What the conversion reads beside the shards (every checkpoint holds it, see
-`hflow.utils.checkpoint.save_model_info`):
+`hflow.workers.fsdp.checkpoint.save_model_info`):
 
     huggingface/                   config, generation config, tokenizer (weights only with hf_model)
     lora/adapter_config.json       PEFT's adapter config of a LoRA actor (r, lora_alpha, target_modules)
@@ -43,7 +44,7 @@ from typing import Iterator
 
 import torch
 
-from hflow.utils.checkpoint import HF_DIR, LORA_DIR
+from hflow.workers.fsdp.checkpoint import HF_DIR, LORA_DIR
 from hflow.utils.errors import UserError
 from hflow.utils.safe_output import OutputError, check_output_folder, staged_folder
 
@@ -168,7 +169,7 @@ def _entries(metadata, prefix: str) -> dict[str, str]:
     """{HF name: DCP key} of the tensors saved under `prefix` ("model": PEFT / wrapper names cleaned)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hflow.utils.fsdp_utils import clean_param_name
+    from hflow.workers.fsdp import clean_param_name
 
     names = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -325,7 +326,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, ema: bool = False, dtyp
     anything, on a folder it cannot convert, and with an OutputError on a `dst` that
     `hflow.utils.safe_output.check_output_folder` refuses (an existing non-empty one unless `overwrite`).
     """
-    from hflow.utils.checkpoint import save_hf_model
+    from hflow.workers.fsdp.checkpoint import save_hf_model
 
     checkpoint = resolve_source(src)
     if isinstance(dtype, str):
@@ -359,14 +360,14 @@ def _reference_model(checkpoint: Path, ema: bool, model_path, lora_alpha):
     adds them (unmerged), every tensor read from the shards under its training name."""
     from transformers import AutoModelForCausalLM
 
-    from hflow.utils.fsdp_utils import clean_param_name
+    from hflow.workers.fsdp import clean_param_name
 
     config, _ = _load_config(_hf_source(checkpoint, model_path))
     metadata = _metadata(checkpoint)
     _, ranks = _plan(metadata, ema, tied=False)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if ranks:
-        from hflow.workers.lora import add_lora
+        from hflow.workers.fsdp.lora import add_lora
 
         lora = _lora_settings(checkpoint, lora_alpha)
         if len(set(ranks.values())) != 1:

@@ -32,10 +32,8 @@ milliseconds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,13 +41,24 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hflow.cli.memory_facts import (
+    GIB,
+    Role,
+    cached,
+    default_device_bytes,
+    dtype_bytes,
+    gather_once,
+    mixed_dtypes,
+    model_config_text,
+    model_numel,
+    trace,
+    traced_components,
+)
 from hflow.utils.errors import ConfigError, UserError
 from hflow.utils.safe_output import check_output_file, paths_in_overrides, staged_file
 
 __all__ = ["ASSUMED", "Phase", "Plan", "Remedy", "check_memory_plan", "main", "plan_memory", "remedies",
            "summary_line"]
-
-GIB = 2**30
 
 # What the plan cannot count: each figure is printed beside the word "assumed".
 ASSUMED = {
@@ -67,13 +76,10 @@ ASSUMED = {
     "cpu_process": 0.63e9,
 }
 
-_CACHE_VERSION = "1"
 # `vllm_rollout.CPU_DEFAULT_KV_CACHE_BYTES` (importing that module imports vLLM: seconds); a test checks they agree
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-# `packing.SDPA_VARLEN` and `fsdp_utils.GATHER_ONCE_MAX_FRACTION` (both modules import transformers)
+# `packing.SDPA_VARLEN` (that module imports transformers)
 CPU_ATTENTION = "hflow_sdpa_varlen"
-GATHER_ONCE_MAX_FRACTION = 0.25
-_TRACES: dict[str, dict[str, int]] = {}  # this process's traces, by key
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -127,162 +133,6 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
-# ------------------------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class _Role:
-    """One FSDP model of the run: what it stores per rank and how it computes."""
-
-    kind: str  # causal | value
-    model_dtype: str
-    param_dtype: str | None
-    reduce_dtype: str | None
-    gradient_checkpointing: bool
-    gather_once: bool
-    reshard_after_forward: bool
-    params_offloaded: bool  # between its phases, on the host
-    optimizer_offloaded: bool
-    packed: bool
-    lora: tuple | None = None
-
-
-def _dtype_bytes(name: str) -> int:
-    import torch
-
-    return getattr(torch, name).itemsize
-
-
-def _mixed(fsdp_config: DictConfig, target: str) -> tuple[str | None, str | None]:
-    """(param_dtype, reduce_dtype) of `fsdp_config.mixed_precision` on the target (`_mixed_precision_policy`)."""
-    setting = OmegaConf.select(fsdp_config, "mixed_precision")
-    if setting is None:
-        return ("bfloat16", "float32") if target == "cuda" else (None, None)
-    setting = OmegaConf.to_container(setting) if isinstance(setting, DictConfig) else dict(setting)
-    return setting.get("param_dtype"), setting.get("reduce_dtype")
-
-
-def _model_config_text(model_cfg: DictConfig) -> str:
-    """config.json of the model folder with the run's `override_config`, as sorted JSON."""
-    path = Path(str(model_cfg.path)).expanduser() / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"the memory plan reads the model's config.json ({err.strerror}: {path}); set the model's "
-                          "path key (e.g. actor_rollout_ref.model.path, critic.model.path) to a Hugging Face model "
-                          "folder") from None
-    if "model_type" not in raw:
-        raise ConfigError(f"{path} names no model_type: the memory plan cannot build the model from it")
-    overrides = OmegaConf.to_container(model_cfg.override_config) if model_cfg.get("override_config") else {}
-    raw.update(overrides or {})
-    for key in ("transformers_version", "_name_or_path", "architectures", "auto_map", "torch_dtype", "dtype"):
-        raw.pop(key, None)
-    return json.dumps(raw, sort_keys=True)
-
-
-def _numel(model_config: str, kind: str = "causal") -> tuple[int, int, dict[str, int]]:
-    """(parameters, largest parameter's elements, model shape facts) of the model built on the meta device."""
-
-    def compute() -> dict[str, int]:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-        config = AutoConfig.for_model(**json.loads(model_config))
-        if kind == "value":
-            config.num_labels = 1
-        auto = AutoModelForTokenClassification if kind == "value" else AutoModelForCausalLM
-        with torch.device("meta"):
-            model = auto.from_config(config)
-        sizes = {name: p.numel() for name, p in model.named_parameters()}
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(text.num_attention_heads)
-        return {"numel": sum(sizes.values()), "largest": max(sizes.values()), "layers": int(text.num_hidden_layers),
-                "kv_heads": int(getattr(text, "num_key_value_heads", None) or heads),
-                "head_dim": int(getattr(text, "head_dim", None) or text.hidden_size // heads)}
-
-    facts = _cached(f"numel:{kind}:{model_config}", compute)
-    return facts["numel"], facts["largest"], facts
-
-
-def _gather_once(setting, numel: int, param_bytes: int, target: str, device_bytes: float) -> bool:
-    """`gather_once_per_pass`; null as `fsdp_utils.gather_once_fits` decides it (repeated here: importing
-    fsdp_utils imports transformers; a test checks they agree)."""
-    if setting is not None:
-        return bool(setting)
-    return target != "cuda" or numel * param_bytes <= GATHER_ONCE_MAX_FRACTION * device_bytes
-
-
-def default_device_bytes(config: DictConfig, target: str) -> float:
-    """`trainer.device_memory_gb` (GiB), else this machine's device: the GPU's memory, or on CPU the host's
-    memory divided by the worker processes of the node."""
-    if config.trainer.device_memory_gb is not None:
-        return float(config.trainer.device_memory_gb) * GIB
-    if target == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            return float(torch.cuda.get_device_properties(0).total_memory)
-        raise ConfigError("the memory plan for a GPU needs its memory: set trainer.device_memory_gb "
-                          "(or --device-memory-gb) on a machine without one")
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host / max(1, int(config.trainer.n_gpus_per_node))
-
-
-# ------------------------------------------------------------------------------------------- tracing
-
-
-def _cached(key_text: str, compute) -> dict:
-    """`compute()` (a JSON-able dict), cached in this process and on disk under a key made of `key_text`, the
-    tracing code (`hflow/cli/memory_trace.py`) and the torch/transformers versions. A hit imports neither
-    torch's tracer nor transformers."""
-    from importlib.metadata import version
-
-    source = (Path(__file__).with_name("memory_trace.py")).read_bytes()
-    key = hashlib.sha256("\n".join([_CACHE_VERSION, key_text, version("torch"), version("transformers"),
-                                    hashlib.sha256(source).hexdigest()]).encode()).hexdigest()[:32]
-    if key in _TRACES:
-        return _TRACES[key]
-    from hflow.utils.cache import default_cache_root
-
-    path = default_cache_root() / "memory_plan" / f"{key}.json"
-    try:
-        _TRACES[key] = json.loads(path.read_text())
-        return _TRACES[key]
-    except (OSError, ValueError):
-        pass
-    result = compute()
-    _TRACES[key] = result
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return result
-
-
-def _trace(spec) -> dict[str, int]:
-    """`memory_trace.trace_fake(spec)`, cached (`_cached`)."""
-
-    def compute() -> dict[str, int]:
-        from hflow.cli.memory_trace import trace_fake
-
-        return trace_fake(spec)
-
-    return _cached(spec.key(), compute)
-
-
-def _traced_components(peak: dict[str, int], role: str) -> dict[str, float]:
-    from hflow.cli.memory_trace import CATEGORIES
-
-    out: dict[str, float] = {}
-    for category, value in peak.items():
-        if category == "Total":
-            continue
-        label = f"{role} {CATEGORIES.get(category, category)}"
-        out[label] = out.get(label, 0) + value
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -309,8 +159,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     seq = prompt + response
     compute = "bfloat16" if cuda else "float32"
     rollout_dtype = str(rollout.dtype or compute)
-    model_text = _model_config_text(model_cfg)
-    numel, largest, shape = _numel(model_text)
+    model_text = model_config_text(model_cfg)
+    numel, largest, shape = model_numel(model_text)
     lora_rank = int(model_cfg.lora_rank or 0)
     lora = (lora_rank, float(model_cfg.lora_alpha), str(model_cfg.target_modules)) if lora_rank else None
     gae = algo.adv_estimator == "gae"
@@ -319,12 +169,12 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     on_device = cuda  # offload switches move state to host memory, which on CPU is the device itself
 
     def role(fsdp, kind: str, gc: bool, model_dtype: str | None, packed: bool, role_lora=None,
-             train: bool = True) -> _Role:
-        param_dtype, reduce_dtype = _mixed(fsdp, target)
+             train: bool = True) -> Role:
+        param_dtype, reduce_dtype = mixed_dtypes(fsdp, target)
         mdt = str(model_dtype or "float32")
         host_policy = bool(fsdp.get("offload_policy")) and on_device
-        return _Role(kind, mdt, param_dtype, reduce_dtype, gc,
-                     _gather_once(fsdp.get("gather_once_per_pass"), numel, _dtype_bytes(param_dtype or mdt),
+        return Role(kind, mdt, param_dtype, reduce_dtype, gc,
+                     gather_once(fsdp.get("gather_once_per_pass"), numel, dtype_bytes(param_dtype or mdt),
                                   target, device_bytes),
                      bool(fsdp.reshard_after_forward),
                      (bool(fsdp.get("param_offload")) and on_device) or host_policy,
@@ -340,19 +190,19 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         critic_role = role(critic.model.fsdp_config, "value", bool(critic.model.enable_gradient_checkpointing),
                            critic.model.fsdp_config.model_dtype, bool(critic.model.use_remove_padding))
 
-    def trainable(r: _Role) -> float:
+    def trainable(r: Role) -> float:
         if r.lora is None:
             return numel
         return _lora_numel(model_text, r.lora)
 
-    def sharded(r: _Role, frozen: bool = False) -> dict[str, float]:
+    def sharded(r: Role, frozen: bool = False) -> dict[str, float]:
         """What `r` keeps on each rank between its phases."""
         out = {}
         if not r.params_offloaded:
             count = numel + (trainable(r) if r.lora is not None else 0)
-            out["params (sharded)"] = count * _dtype_bytes(r.model_dtype) / world
+            out["params (sharded)"] = count * dtype_bytes(r.model_dtype) / world
         if not frozen and not r.optimizer_offloaded:
-            out["optimizer state (AdamW, sharded)"] = 2 * trainable(r) * _dtype_bytes(r.model_dtype) / world
+            out["optimizer state (AdamW, sharded)"] = 2 * trainable(r) * dtype_bytes(r.model_dtype) / world
         return out
 
     def per_rank(prompts_key_value: int) -> int:
@@ -363,7 +213,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
             return max(1, int(tokens_key) // seq)
         return max(1, int(count_key))
 
-    def spec(r: _Role, b: int, train: bool, micro_batches: int = 1, entropy: bool = False) -> PassSpec:
+    def spec(r: Role, b: int, train: bool, micro_batches: int = 1, entropy: bool = False) -> PassSpec:
         return PassSpec(model=r.kind, model_config=model_text, world=world, batch=b, seq=seq, response=response,
                         train=train, micro_batches=micro_batches, model_dtype=r.model_dtype,
                         param_dtype=r.param_dtype, reduce_dtype=r.reduce_dtype,
@@ -388,7 +238,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         resident["critic"] = {f"critic {k}": v for k, v in sharded(critic_role).items()}
 
     # --- the rollout engine (colocated: on every training rank; split: on the rollout pool's ranks)
-    rollout_bytes = _dtype_bytes(rollout_dtype)
+    rollout_bytes = dtype_bytes(rollout_dtype)
     engine_weights = numel * rollout_bytes / tp
     kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * rollout_bytes / tp
     engine_act = 0.0
@@ -397,7 +247,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         # vLLM's profiling step: max_num_batched_tokens tokens, as sequences of max_model_len
         max_len = int(rollout.max_model_len or seq)
         rows = max(1, int(rollout.max_num_batched_tokens) // max_len)
-        engine_act = _trace(PassSpec(model="causal", model_config=model_text, world=1, batch=rows, seq=max_len,
+        engine_act = trace(PassSpec(model="causal", model_config=model_text, world=1, batch=rows, seq=max_len,
                                      response=0, model_dtype=rollout_dtype,
                                      logits_positions=min(int(rollout.max_num_seqs), rows * max_len),
                                      attn_implementation=CPU_ATTENTION)).get("Activation", 0)
@@ -463,7 +313,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
             comps["vLLM KV cache"] = engine["vLLM KV cache"]
         comps.update({f"actor {k}": v for k, v in sharded(replace(actor_role, params_offloaded=False)).items()})
         comps.update(others("actor"))
-        full_bytes = largest * _dtype_bytes(actor_role.model_dtype)
+        full_bytes = largest * dtype_bytes(actor_role.model_dtype)
         comps["gathered parameter (largest, model dtype)"] = full_bytes
         if actor_role.model_dtype != rollout_dtype:
             comps["its cast to the rollout dtype"] = largest * rollout_bytes
@@ -493,8 +343,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     for name, label, r, owner, count, tokens, dynamic, entropy in forwards:
         b = min(micro(count, tokens, bool(dynamic)), sequences)
         pass_spec = spec(r, b, train=False, entropy=entropy)
-        peak = _trace(pass_spec)
-        comps = _traced_components(peak, label)
+        peak = trace(pass_spec)
+        comps = traced_components(peak, label)
         comps.update(others(owner, optimizer_of=owner))
         comps.update(engine_between)
         comps.update(overhead)
@@ -511,8 +361,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         b = min(micro(micro_count, tokens, dynamic), mini_rank)
         accumulation = max(1, math.ceil(mini_rank / b))
         pass_spec = spec(r, b, train=True, micro_batches=min(2, accumulation), entropy=entropy)
-        peak = _trace(pass_spec)
-        comps = _traced_components(peak, who)
+        peak = trace(pass_spec)
+        comps = traced_components(peak, who)
         comps.update(others(who))
         comps.update(engine_between)
         comps.update(overhead)
@@ -532,14 +382,14 @@ def _lora_numel(model_text: str, lora: tuple) -> int:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from hflow.workers.lora import add_lora
+        from hflow.workers.fsdp.lora import add_lora
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(model_text)))
         model = add_lora(model, *lora)
         return {"numel": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
-    return _cached(f"lora:{list(lora)}:{model_text}", compute)["numel"]
+    return cached(f"lora:{list(lora)}:{model_text}", compute)["numel"]
 
 
 # ------------------------------------------------------------------------------------------- remedies

@@ -2,7 +2,7 @@
 
 A pass (`PassSpec`: old/reference log-probs, values, an actor or critic update, one vLLM-sized forward)
 runs the hflow code path it describes: the model built from its Hugging Face config, sharded by
-`fsdp_utils.apply_fsdp2` with the pass's mixed precision, gradient checkpointing and gathering, the
+`fsdp.apply_fsdp2` with the pass's mixed precision, gradient checkpointing and gathering, the
 actor's `_forward_micro_batch` (logits of the response positions only, block-wise log-probs and entropy)
 or the critic's value slice, backward per micro-batch and the AdamW step. `FSDPMemTracker`
 (`torch.distributed._tools`) counts every tensor the pass holds on the rank, by category (sharded and
@@ -100,7 +100,7 @@ def _build(spec: PassSpec) -> nn.Module:
     kwargs = dict(dtype=_dtype(spec.model_dtype), attn_implementation=spec.attn_implementation)
     model = auto.from_config(config, **kwargs)
     if spec.lora is not None:
-        from hflow.workers.lora import add_lora
+        from hflow.workers.fsdp.lora import add_lora
 
         rank, alpha, targets = spec.lora
         model = add_lora(model, rank, alpha, targets)
@@ -108,15 +108,15 @@ def _build(spec: PassSpec) -> nn.Module:
 
 
 def _shard(model: nn.Module, spec: PassSpec, mesh) -> nn.Module:
-    from hflow.utils import fsdp_utils
+    from hflow.workers import fsdp
 
     if spec.gradient_checkpointing and spec.train:
-        fsdp_utils.enable_gradient_checkpointing(model)
+        fsdp.enable_gradient_checkpointing(model)
     mixed = None
     if spec.param_dtype is not None:
         mixed = {"param_dtype": spec.param_dtype, "reduce_dtype": spec.reduce_dtype or "float32"}
     fp32_modules = [model.score] if spec.model == "value" else []
-    fsdp_utils.apply_fsdp2(model, mesh, mixed_precision=mixed or {}, reshard_after_forward=spec.reshard_after_forward,
+    fsdp.apply_fsdp2(model, mesh, mixed_precision=mixed or {}, reshard_after_forward=spec.reshard_after_forward,
                            gather_once_per_pass=spec.gather_once, fp32_modules=fp32_modules)
     if not spec.train:
         model.requires_grad_(False)
@@ -196,7 +196,7 @@ def _rollout_forward(model: nn.Module, spec: PassSpec) -> None:
 
 def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
-    from hflow.utils.fsdp_utils import build_optimizer, no_grad_pass
+    from hflow.workers.fsdp import build_optimizer, no_grad_pass
 
     vocab = int(model.config.vocab_size)
     if spec.logits_positions is not None:  # the rollout engine's forward: one unsharded model, no FSDP
@@ -314,12 +314,12 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
     as real prompts are (without remove-padding, that makes transformers build its attention mask, as in a
     real run). An update is counted on its second step, when AdamW's moments exist."""
     from hflow.protocol import DataProto
-    from hflow.utils import fsdp_utils
+    from hflow.workers import fsdp
     from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic
 
     world = mesh.size()
     arr = config.actor_rollout_ref
-    loader = fsdp_utils.load_value_model if spec.model == "value" else fsdp_utils.load_causal_lm
+    loader = fsdp.load_value_model if spec.model == "value" else fsdp.load_causal_lm
     model = loader(str(arr.model.path), dtype=spec.model_dtype, attn_implementation=spec.attn_implementation)
     _shard(model, spec, mesh)
     b, t, length = spec.batch, spec.seq, spec.response
@@ -342,7 +342,7 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
         cfg = normalize_critic(config.critic, world)
         cfg.ppo_mini_batch_size_per_rank, cfg.ppo_epochs, cfg.shuffle = rows, 1, False
         if spec.train:
-            optimizer = fsdp_utils.build_optimizer(model.parameters(), cfg.optim)
+            optimizer = fsdp.build_optimizer(model.parameters(), cfg.optim)
         critic = DataParallelPPOCritic(cfg, model, optimizer)
         run = (lambda: critic.update_critic(data)) if spec.train else (lambda: critic.compute_values(data))
     else:
@@ -352,7 +352,7 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
         section = norm.ref if phase == "ref log-prob" else norm.actor
         if spec.train:
             section.ppo_mini_batch_size_per_rank, section.ppo_epochs, section.shuffle = rows, 1, False
-            optimizer = fsdp_utils.build_optimizer([p for p in model.parameters() if p.requires_grad],
+            optimizer = fsdp.build_optimizer([p for p in model.parameters() if p.requires_grad],
                                                    norm.actor.optim)
         actor = DataParallelPPOActor(section, model, optimizer)
         run = ((lambda: actor.update_policy(data)) if spec.train

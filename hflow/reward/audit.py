@@ -61,7 +61,9 @@ class FamilyResult:
 
     @property
     def rate(self) -> float:
-        return self.hits / self.responses if self.responses else 0.0
+        """The share of the responses the reward scored (not those it failed on) that are hits."""
+        scored = self.responses - self.errors
+        return self.hits / scored if scored else 0.0
 
 
 @dataclass
@@ -75,6 +77,7 @@ class AuditReport:
     accept_fraction: float = DEFAULT_ACCEPT_FRACTION
     families: dict[str, FamilyResult] = field(default_factory=dict)
     first_error: str | None = None  # the first call that raised or returned no number
+    errors: int = 0  # calls that raised or returned no number: the reward's own failures, never "rejected"
 
     def failed(self, max_accept: float) -> list[str]:
         """The gaming families accepted more often than `max_accept`."""
@@ -198,7 +201,7 @@ def audit_rows(score: Callable[[list[dict[str, Any]]], list[tuple[float | None, 
             calls.append(_call(row, truth, template.format(str(truth).strip())))
             calls.append(_call(row, truth, template.format(wrong_answer(str(truth)))))
     scores = score(calls)
-    report.first_error = next((error for _, error in scores if error is not None), None)
+    _note_errors(report, scores)
     # 2. per usable row, the probes in its best format
     probe_calls, probe_meta = [], []
     for position, index in enumerate(usable):
@@ -216,9 +219,18 @@ def audit_rows(score: Callable[[list[dict[str, Any]]], list[tuple[float | None, 
         for probe in probes(str(row["ground_truth"]), row["prompt_text"], name, max_chars=max_chars):
             probe_calls.append(_call(row, row["ground_truth"], probe.response))
             probe_meta.append((index, probe, right, threshold))
-    for (index, probe, right, threshold), (value, error) in zip(probe_meta, score(probe_calls)):
+    probe_scores = score(probe_calls)
+    _note_errors(report, probe_scores)
+    for (index, probe, right, threshold), (value, error) in zip(probe_meta, probe_scores):
         _count(report, index, rows[index], probe, right, threshold, value, error)
     return report
+
+
+def _note_errors(report: AuditReport, scores: list[tuple[float | None, str | None]]) -> None:
+    errors = [error for _, error in scores if error is not None]
+    report.errors += len(errors)
+    if errors and report.first_error is None:
+        report.first_error = errors[0]
 
 
 def _choose_format(prompt_text: str, formats: list[str], block: list[tuple[float | None, str | None]]):
@@ -240,9 +252,10 @@ def _count(report: AuditReport, index: int, row: dict[str, Any], probe: Probe, r
            value: float | None, error: str | None) -> None:
     family = report.families.setdefault(probe.family, FamilyResult(kind=probe.kind))
     family.responses += 1
-    accepted = value is not None and value >= threshold
-    if error is not None:
+    if error is not None:  # the reward failed: its own verdict, neither accepted nor rejected
         family.errors += 1
+        return
+    accepted = value >= threshold
     hit = (not accepted) if probe.kind == CORRECT else accepted
     if hit:
         family.hits += 1
@@ -275,7 +288,9 @@ def format_markdown(report: AuditReport, max_accept: float) -> str:
     for name, family in sorted(report.families.items(), key=lambda item: order.get(item[1].kind, 2)):
         rate = family.rate
         accepted, rejected = (1 - rate, rate) if family.kind == CORRECT else (rate, 1 - rate)
-        if family.kind == GAMING:
+        if family.errors:
+            verdict = "ERROR (the reward failed)"
+        elif family.kind == GAMING:
             verdict = f"FAIL (> {max_accept:g})" if name in failed else "ok"
         elif family.kind == CORRECT:
             verdict = "false negatives" if family.hits else "ok"
@@ -342,6 +357,11 @@ def check_reward_before_training(config: DictConfig) -> AuditReport | None:
                        timeout_s=config.custom_reward_function.timeout_s)
     advice = ("fix the reward function (python -m hflow.reward.audit --data FILE --reward FILE.py:NAME prints "
               "every family), raise trainer.reward_audit_max_accept, or set trainer.reward_audit=false")
+    if report.errors:
+        raise ConfigError(f"trainer.reward_audit: {label} failed (raised, timed out or returned no number) on "
+                          f"{report.errors} of the responses it was given from {len(rows)} rows of {path}; the first: "
+                          f"{report.first_error}. Training would stop (or, with on_error=zero, score them 0) on "
+                          "such responses; fix the reward function")
     if report.rows_audited == 0:
         error = f" (a call failed: {report.first_error})" if report.first_error else ""
         raise ConfigError(f"trainer.reward_audit: on {len(rows)} rows of {path}, {label} never scored the right "
@@ -405,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     failed = report.failed(args.max_accept)
+    if report.errors:
+        print(f"reward_audit: FAIL: the reward failed (raised, timed out or returned no number) on {report.errors} "
+              f"responses; the first: {report.first_error}", file=sys.stderr)
+        return 1
     if report.rows_audited == 0:
         error = f" (a call failed: {report.first_error})" if report.first_error else ""
         print(f"reward_audit: no row could be audited: the right answer never scored above a wrong one{error}",

@@ -34,11 +34,17 @@ root: all of the below hold; `sandbox_capabilities()` reports them for the machi
   20 ms and kills them all past max_processes ("processes"); run as root it has a real-time priority
   so a fork bomb cannot starve it (measured: a ``while True: os.fork()`` ends in about 0.1 s).
 
-Without namespaces (EPERM, e.g. Docker's default seccomp profile): no network isolation
-(``network_isolated=False``), the code can write wherever our uid can and read other processes of our
-uid in /proc (their environ included), RLIMIT_NPROC counts all of our uid's processes (set to what it
-has now plus max_processes; not enforced for root), and a process that leaves the process group
-(setsid) survives the kill. The rlimits, the wall time, the fresh work dir and the environment hold.
+Fail closed: without the user, network (unless ``network=True``), read-only mount and pid namespaces
+(`REQUIRED_ISOLATION`; EPERM, e.g. Docker's default seccomp profile), the launcher refuses to start the
+code and the run ends as "sandbox_error" with a message naming what is missing and the ways out (a remote
+sandbox, a privileged container or a kernel that allows them, or ``allow_unisolated``). Preflight asks
+before a run with `require_isolation` (see `hflow.sandbox.check`). Only with ``allow_unisolated`` (the
+argument, the `make_sandbox` key, or ``HFLOW_SANDBOX_ALLOW_UNISOLATED=1``) does the code run without
+them, warned once per process, and then: no network isolation (``network_isolated=False``), the code
+keeps our uid's capabilities (as root: all of them) and can write wherever our uid can and read other processes of our uid in /proc (their environ included),
+RLIMIT_NPROC counts all of our uid's processes (set to what it has now plus max_processes; not enforced
+for root), and a process that leaves the process group (setsid) survives the kill. The rlimits, the wall
+time, the fresh work dir and the environment hold.
 
 Not limited anywhere: the total of disk the code writes in its work dir (RLIMIT_FSIZE is per file),
 memory summed over its processes (RLIMIT_AS is per process), CPU summed over its processes.
@@ -49,22 +55,34 @@ Remote backend (`RemoteSandbox`): a Sandbox Fusion server's ``/run_code``; see i
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from hflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult
+from hflow.sandbox.check import IsolationReport, SandboxUnavailable, require_isolation
+from hflow.sandbox.config import SandboxConfig
+from hflow.sandbox.isolation import ALLOW_UNISOLATED_ENV, REQUIRED_ISOLATION, missing_isolation
 from hflow.sandbox.local import LocalSandbox, run_code, sandbox_capabilities
 from hflow.sandbox.remote import RemoteSandbox
 
 __all__ = [
+    "ALLOW_UNISOLATED_ENV",
+    "IsolationReport",
     "LocalSandbox",
+    "REQUIRED_ISOLATION",
     "RemoteSandbox",
     "Sandbox",
+    "SandboxConfig",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "make_sandbox",
+    "missing_isolation",
+    "require_isolation",
     "run_code",
     "sandbox_capabilities",
+    "sandbox_env",
 ]
 
 _LIMIT_KEYS = tuple(field.name for field in dataclasses.fields(SandboxLimits))
@@ -75,12 +93,13 @@ _BACKENDS = ("local", "remote")
 def make_sandbox(config: Mapping[str, Any] | None = None) -> Sandbox:
     """A sandbox from a config mapping (e.g. a YAML section).
 
-    Keys: ``backend`` ("local", the default, or "remote"); for remote, ``url`` (the full endpoint) and
-    optionally ``timeout_s``, ``max_retries``, ``backoff_s``; and any `SandboxLimits` field. A key set
-    to None counts as absent.
+    Keys: ``backend`` ("local", the default, or "remote"); for local, ``allow_unisolated`` (run even
+    where the isolation it needs is missing; default: refuse, see `LocalSandbox`); for remote, ``url``
+    (the full endpoint) and optionally ``timeout_s``, ``max_retries``, ``backoff_s``; and any
+    `SandboxLimits` field. A key set to None counts as absent.
     """
     config = {key: value for key, value in dict(config or {}).items() if value is not None}
-    known = ("backend", *_REMOTE_KEYS, *_LIMIT_KEYS)
+    known = ("backend", "allow_unisolated", *_REMOTE_KEYS, *_LIMIT_KEYS)
     for key in config:
         if key not in known:
             raise ValueError(f"unknown sandbox config key {key!r}; the keys are {list(known)}")
@@ -88,10 +107,22 @@ def make_sandbox(config: Mapping[str, Any] | None = None) -> Sandbox:
     if backend not in _BACKENDS:
         raise ValueError(f"sandbox backend={backend!r}; choose one of {list(_BACKENDS)}")
     limits = SandboxLimits(**{key: config.pop(key) for key in _LIMIT_KEYS if key in config})
+    allow_unisolated = config.pop("allow_unisolated", None)
+    if allow_unisolated is not None and not isinstance(allow_unisolated, bool):
+        raise ValueError(f"sandbox allow_unisolated={allow_unisolated!r}; give true or false")
     if backend == "local":
         if config:
             raise ValueError(f"sandbox keys {sorted(config)} apply to backend='remote' only; remove them or set it")
-        return LocalSandbox(limits)
+        return LocalSandbox(limits, allow_unisolated=allow_unisolated)
+    if allow_unisolated is not None:
+        raise ValueError("sandbox allow_unisolated applies to backend='local' only (a remote server isolates "
+                         "the code itself); remove it")
     if "url" not in config:
         raise ValueError("sandbox backend='remote' needs url, the full endpoint (e.g. http://host:8080/run_code)")
     return RemoteSandbox(config.pop("url"), limits=limits, **config)
+
+
+def sandbox_env() -> dict[str, str]:
+    """The environment a trainer's worker processes need to follow its sandbox decision: ``{ALLOW_UNISOLATED_ENV:
+    "1"}`` once `require_isolation` allowed unisolated code in this process, else nothing (so they refuse it)."""
+    return {ALLOW_UNISOLATED_ENV: os.environ[ALLOW_UNISOLATED_ENV]} if ALLOW_UNISOLATED_ENV in os.environ else {}

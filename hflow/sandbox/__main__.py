@@ -2,8 +2,12 @@
 
     python -m hflow.sandbox prog.py [--stdin input.txt] [--wall-time-s 5] [--url http://host:8080/run_code]
 
+The local sandbox fails closed: where the kernel refuses the namespaces that isolate the code, it
+refuses to run it (the message says what is missing and the ways out) unless --allow-unisolated is
+given, which runs it anyway after a warning.
+
 Exit status: 0 when the sandbox ran the file (whatever the program did: see "status"), 1 when the
-sandbox itself failed ("sandbox_error"), 2 for bad usage.
+sandbox itself failed or refused ("sandbox_error"), 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -11,13 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from hflow.sandbox import SandboxLimits, make_sandbox
+from hflow.sandbox import LocalSandbox, SandboxLimits, make_sandbox, missing_isolation, sandbox_capabilities
+from hflow.sandbox.base import sandbox_error_result
+from hflow.sandbox.isolation import unisolated_message, warn_unisolated
+
+_PROG = "python -m hflow.sandbox"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hflow.sandbox", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("file", type=Path, help="the Python program to run")
     parser.add_argument("--stdin", type=Path, help="a file whose text is the program's standard input")
     parser.add_argument("--url", help="run on this Sandbox Fusion endpoint instead of locally")
@@ -32,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"default {getattr(defaults, name)}")
     parser.add_argument("--network", action="store_true", help="allow network access (default: none)")
+    parser.add_argument("--allow-unisolated", action="store_true",
+                        help="run locally even where the kernel refuses the namespaces that isolate the code "
+                             "(default: refuse)")
     return parser
 
 
@@ -49,12 +61,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"cannot read {name} {str(path)!r}: {err}")  # exits 2
     config = {key: value for key, value in vars(args).items() if key not in ("file", "stdin")}
     config["network"] = args.network or None
+    config["allow_unisolated"] = args.allow_unisolated or None
     if args.url:
         config["backend"] = "remote"
     try:
         sandbox = make_sandbox(config)
     except ValueError as err:
         parser.error(str(err))
+    if isinstance(sandbox, LocalSandbox):
+        missing = missing_isolation(sandbox_capabilities(), sandbox.limits.network)
+        if missing and not args.allow_unisolated:
+            message = unisolated_message(missing, where="cli")
+            print(json.dumps(sandbox_error_result(message, time.monotonic()).to_dict()))
+            print(f"{_PROG}: error: {message}", file=sys.stderr)
+            return 1
+        if missing:
+            warn_unisolated(missing, [str(args.file)])
     result = sandbox.run(texts["file"], stdin=texts.get("stdin", ""))
     print(json.dumps(result.to_dict()))
     return 1 if result.status == "sandbox_error" else 0

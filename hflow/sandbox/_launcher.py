@@ -76,11 +76,16 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _unshare(network: bool, enabled: bool) -> dict[str, bool]:
-    """The strongest set of namespaces the OS allows (none unless `enabled`); which ones are in force."""
+def _unshare(network: bool) -> dict[str, bool]:
+    """The strongest set of namespaces the OS allows; which ones are in force.
+
+    The one place the sandbox asks for namespaces: where the kernel refuses them (EPERM, e.g. Docker's
+    default seccomp profile), none are in force and the run is refused before the code starts (see
+    `_refuse_unisolated`), unless the caller allowed running without them.
+    """
     net = 0 if network else _CLONE_NEWNET
     for flags in (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | net, _CLONE_NEWUSER | net):
-        if enabled and _libc.unshare(flags) == 0:
+        if _libc.unshare(flags) == 0:
             return {
                 "user_namespace": True,
                 "network_namespace": bool(flags & _CLONE_NEWNET),
@@ -106,7 +111,7 @@ def _realtime() -> bool:
 def _isolate(cfg: dict[str, Any]) -> dict[str, Any]:
     uid, gid = os.geteuid(), os.getegid()
     realtime = _realtime()
-    iso: dict[str, Any] = _unshare(cfg["network"], cfg["namespaces"])
+    iso: dict[str, Any] = _unshare(cfg["network"])
     iso["watchdog_realtime"] = realtime and iso["pid_namespace"]  # (init inherits it)
     iso["filesystem_readonly"] = False
     iso["uid_mapped"] = False
@@ -200,8 +205,22 @@ def _exec_code(cfg: dict[str, Any], iso: dict[str, Any], status_fd: int) -> None
     os._exit(127)
 
 
+def _refuse_unisolated(cfg: dict[str, Any], iso: dict[str, Any], status_fd: int) -> None:
+    """End here, the code never started, if isolation that `cfg["require"]` lists is not in force.
+
+    Fail closed: the caller lists what it needs (empty only when it allowed running unisolated), and
+    a machine that refused it at this run (it may have allowed it at preflight) gets a refusal, never
+    an unisolated run.
+    """
+    missing = [key for key in cfg["require"] if not iso.get(key)]
+    if missing:
+        os.write(status_fd, (json.dumps({"isolation": iso, "refused": missing}) + "\n").encode())
+        os._exit(0)  # as pid 1 this also ends the namespace
+
+
 def _supervise(cfg: dict[str, Any], iso: dict[str, Any], status_fd: int, as_init: bool) -> None:
     """Fork and exec the code, wait for it (as pid 1: reaping orphans, counting processes), report. Never returns."""
+    _refuse_unisolated(cfg, iso, status_fd)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     child = os.fork()
     if child == 0:

@@ -21,6 +21,8 @@ from typing import Any
 
 from hflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult
 from hflow.sandbox.base import classify_ending, decode_output, sandbox_error_result
+from hflow.sandbox.isolation import env_allows_unisolated, missing_isolation, required_isolation
+from hflow.sandbox.isolation import unisolated_message, warn_unisolated
 
 __all__ = ["LocalSandbox", "run_code", "sandbox_capabilities"]
 
@@ -31,8 +33,6 @@ _POLL_S = 0.1
 # possible only without a pid namespace) gets this long before reading stops.
 _DRAIN_S = 0.5
 _REAP_WAIT_S = 2.0
-# False runs without namespaces, as on a machine that refuses them (tests of that path set it).
-_NAMESPACES = True
 
 
 def _child_env(workdir: str) -> dict[str, str]:
@@ -47,10 +47,22 @@ def _child_env(workdir: str) -> dict[str, str]:
 
 
 class LocalSandbox(Sandbox):
-    """Runs Python code in a fresh interpreter (``-I -S``: stdlib only) under `limits`."""
+    """Runs Python code in a fresh interpreter (``-I -S``: stdlib only) under `limits`.
 
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
+    Fails closed: where the kernel refuses the isolation of `REQUIRED_ISOLATION` at a run, that run
+    ends as "sandbox_error" before the code starts, saying what is missing and the ways out, unless
+    `allow_unisolated` (None: the environment's ``HFLOW_SANDBOX_ALLOW_UNISOLATED=1``) lets it run
+    without, with a warning once per process.
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, *, allow_unisolated: bool | None = None) -> None:
         self.limits = limits or SandboxLimits()
+        self.allow_unisolated = allow_unisolated
+        self._warn = True  # off for the capability probe, which runs nothing of the model's
+
+    def allows_unisolated(self) -> bool:
+        """Whether this sandbox runs code even where the isolation it needs is missing."""
+        return env_allows_unisolated() if self.allow_unisolated is None else bool(self.allow_unisolated)
 
     def run(self, code: str, *, stdin: str = "", language: str = "python") -> SandboxResult:
         return self.run_with_report(code, stdin=stdin, language=language)[0]
@@ -87,7 +99,8 @@ class LocalSandbox(Sandbox):
             "workdir": workdir,
             "main": main,
             "network": limits.network,
-            "namespaces": _NAMESPACES,
+            # What the launcher must have in force before it starts the code (nothing: allowed unisolated).
+            "require": [] if self.allows_unisolated() else required_isolation(limits.network),
             "cpu_time_s": limits.cpu_time_s,
             "memory_bytes": int(limits.memory_mb) * 2**20,
             "max_file_bytes": int(limits.max_file_bytes),
@@ -170,6 +183,12 @@ class LocalSandbox(Sandbox):
         isolation = report.get("isolation") or {}
         exit_code = report.get("exit_code")
         err_text = decode_output(stderr, limits.max_output_bytes)
+        if report.get("refused") and killed_for is None:  # fail closed: the code never started
+            return sandbox_error_result(unisolated_message(report["refused"]), start)
+        if isolation and self._warn and self.allows_unisolated():
+            missing = missing_isolation(isolation, limits.network)
+            if missing:
+                warn_unisolated(missing, once=True)
         if killed_for is None and (exit_code is None or "setup_error" in report):
             if "isolation" not in report or "setup_error" in report:
                 why = report.get("setup_error") or "the sandbox launcher ended without reporting"
@@ -211,7 +230,10 @@ def sandbox_capabilities() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _measure_capabilities() -> dict[str, Any]:
-    result, report = LocalSandbox(SandboxLimits(wall_time_s=30.0)).run_with_report("pass")
+    # allow_unisolated: a trivial program, run to see what is in force, whatever that is.
+    probe = LocalSandbox(SandboxLimits(wall_time_s=30.0), allow_unisolated=True)
+    probe._warn = False
+    result, report = probe.run_with_report("pass")
     if result.status != "ok":
         raise RuntimeError(f"the local sandbox cannot run a trivial program here: {result.stderr or result.status}")
     rlimits = ["RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_CORE"]

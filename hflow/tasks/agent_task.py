@@ -1,6 +1,6 @@
 """The built-in agentic task and model: two-digit multiplication with a calculator tool.
 
-**Task** (`data_source="hflow/multiply"`, scored by `hflow.utils.reward_score.arithmetic` on the final
+**Task** (`data_source="hflow/multiply"`, scored by `hflow.reward.score.arithmetic` on the final
 answer): ``What is 37 * 86?`` (answer ``3182``) for every pair of factors in 10..99 (8100 problems); a
 fixed, hash-chosen 200 form the validation split, the rest the training split. Rows follow the hflow
 data contract (`data_source`, `prompt`, `ability`, `reward_model.ground_truth`, `extra_info`).
@@ -34,9 +34,10 @@ tool's result into its answer (100%), and greedy decoding guesses (its first tok
 right on 1% of the problems without the tool (20 * 10 and 50 * 60, whose guess it does not learn),
 1.5% with it.
 
-**Cache**: as `hflow.tasks.builtin_task`: ``$HFLOW_CACHE/agent-v<VERSION>`` (default
-``~/.cache/hflow``), built on first use under a lock into a temporary folder that is renamed into
-place, completion marker last; the same version and spec give the same bytes.
+**Cache**: the task assets' cache of `hflow.tasks.assets`, as for `hflow.tasks.builtin_task` (whose
+folder layout `AgentAssets` extends): ``$HFLOW_CACHE/agent-v<VERSION>`` (default ``~/.cache/hflow``),
+built on first use under a lock into a temporary folder that is renamed into place, completion marker
+last; the same version and spec give the same bytes.
 
     from hflow.tasks.agent_task import ensure_agent_assets
     assets = ensure_agent_assets()   # about a minute and a half the first time, instant afterwards
@@ -58,22 +59,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hflow.tasks.builtin_task import (
-    BuiltinAssets,
-    _assets as _builtin_layout,
-    _deterministic_torch,
-    _encode,
-    _finish_folder,
-    _has_marker,
-    _init_and_pretrain,
-    _new_folder,
-    _pretrained_model,
-    _quiet_transformers,
-    _task_row,
-    _write_parquet,
+from hflow.tasks.assets import (
+    deterministic_torch,
     ensure_cached_folder,
+    finish_folder,
+    has_marker,
+    init_and_pretrain,
+    new_folder,
+    pretrained_model,
+    prompt_ids,
+    quiet_transformers,
     run_cache_command,
+    task_row,
+    write_parquet,
 )
+from hflow.tasks.builtin_task import BuiltinAssets, builtin_layout
 from hflow.tasks.tiny_models import TinyModelSpec
 
 __all__ = [
@@ -217,7 +217,7 @@ def split_multiplications(
 
 def _rows(problems: list[Multiplication], split: str) -> list[dict]:
     extra = [{"split": split, "index": i, "a": p.a, "b": p.b} for i, p in enumerate(problems)]
-    return [_task_row(DATA_SOURCE, p.question, p.answer, e) for p, e in zip(problems, extra)]
+    return [task_row(DATA_SOURCE, ABILITY, p.question, p.answer, e) for p, e in zip(problems, extra)]
 
 
 # ------------------------------------------------------------------------------------- episodes
@@ -263,7 +263,7 @@ def episode_ids(tokenizer, problem: Multiplication, *, tool: bool) -> tuple[list
     from hflow.agent.chat import ToolMessageEncoder
 
     eos = tokenizer.eos_token_id
-    prompt = _encode(tokenizer, problem)
+    prompt = prompt_ids(tokenizer, problem.question)
     ids, mask = list(prompt), [0] * len(prompt)
 
     def add(part: list[int], sampled: bool) -> None:
@@ -356,7 +356,7 @@ def _build_model(model_dir: Path, problems: list[Multiplication], spec: AgentSpe
 
     tokenizer = {"vocab_size": spec.vocab_size, "extra_corpus": _TOKENIZER_CORPUS,
                  "added_tokens": (TOOL_CALL_START, TOOL_CALL_END)}
-    _init_and_pretrain(model_dir, spec.seed, asdict(spec.model), pretrain, tokenizer_kwargs=tokenizer)
+    init_and_pretrain(model_dir, spec.seed, asdict(spec.model), pretrain, tokenizer_kwargs=tokenizer)
 
 
 # ------------------------------------------------------------------------------- base-model report
@@ -410,7 +410,7 @@ class _Generator:
         calculator's result (computed here) and one more turn."""
         from hflow.agent.chat import ToolMessageEncoder
 
-        prompts = [_encode(self.tokenizer, p) for p in problems]
+        prompts = [prompt_ids(self.tokenizer, p.question) for p in problems]
         first = self.turns(prompts, sample)
         final = [self.text(t) for t in first]
         called = [(i, e) for i, e in enumerate(map(_called_expression, final)) if e is not None]
@@ -430,7 +430,7 @@ def _rate(flags: Sequence[bool | float]) -> float:
 def _base_model_report(model_dir: Path, val: list[Multiplication]) -> dict:
     """The model's rates on the validation problems (the info file's ``base_model``)."""
     from hflow.agent.chat import ToolMessageEncoder
-    from hflow.utils.reward_score.arithmetic import compute_score
+    from hflow.reward.score.arithmetic import compute_score
 
     gen = _Generator(model_dir)
     tok, eos = gen.tokenizer, gen.eos
@@ -438,7 +438,7 @@ def _base_model_report(model_dir: Path, val: list[Multiplication]) -> dict:
     def turn_ids(turn: str) -> list[int]:  # an assistant turn's ids with its EOS
         return tok.encode(turn, add_special_tokens=False) + [eos]
     call_token = tok.convert_tokens_to_ids(TOOL_CALL_START)
-    prompts = [_encode(tok, p) for p in val]
+    prompts = [prompt_ids(tok, p.question) for p in val]
     greedy = [gen.text(t) for t in gen.turns(prompts, sample=False)]
     sampled = [gen.text(t) for t in gen.turns(prompts, sample=True)]
     # Given a call: the prompt and <tool_call>, greedy to the EOS.
@@ -476,25 +476,25 @@ def build_agent_assets(out_dir: str | Path, spec: AgentSpec = DEFAULT_AGENT_SPEC
 
     Prefer `ensure_agent_assets`, which adds the cache, the lock and the atomic rename.
     """
-    out = _new_folder(out_dir, "build_agent_assets")
+    out = new_folder(out_dir, "build_agent_assets")
     t0 = time.perf_counter()
     assets = _assets(out)
 
     train, val = split_multiplications(multiplication_problems(), spec.num_val)
     Path(assets.train_file).parent.mkdir()
-    _write_parquet(_rows(train, "train"), Path(assets.train_file))
-    _write_parquet(_rows(val, "val"), Path(assets.val_file))
+    write_parquet(_rows(train, "train"), Path(assets.train_file))
+    write_parquet(_rows(val, "val"), Path(assets.val_file))
     Path(assets.tool_config_file).write_text(TOOLS_YAML)
 
     model_dir = Path(assets.model_path)
-    with _quiet_transformers():
-        stats = _pretrained_model(lambda: _build_model(model_dir, train, spec), __name__, model_dir, spec)
+    with quiet_transformers():
+        stats = pretrained_model(lambda: _build_model(model_dir, train, spec), __name__, model_dir, spec)
         seconds = stats.pop("seconds")
-        with _deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
+        with deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
             base_model = _base_model_report(model_dir, val)
 
     info = {"version": VERSION, "spec": asdict(spec), "spec_digest": spec.digest(), "data_source": DATA_SOURCE}
-    _finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
+    finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
     logger.info(
         "agent assets built in %.1f s (pre-training %.1f s): %s",
         time.perf_counter() - t0,
@@ -516,19 +516,19 @@ def _marker_text(spec: AgentSpec) -> str:
 
 
 def _assets(folder: Path) -> AgentAssets:
-    layout = {**asdict(_builtin_layout(folder)), "info_file": str(folder / INFO_NAME)}
+    layout = {**asdict(builtin_layout(folder)), "info_file": str(folder / INFO_NAME)}
     return AgentAssets(**layout, tool_config_file=str(folder / TOOLS_NAME))
 
 
 def _is_complete(folder: Path, spec: AgentSpec) -> bool:
     a = _assets(folder)
-    return _has_marker(folder, _marker_text(spec), [a.train_file, a.val_file, a.tool_config_file, a.info_file])
+    return has_marker(folder, _marker_text(spec), [a.train_file, a.val_file, a.tool_config_file, a.info_file])
 
 
 def ensure_agent_assets(cache_dir: str | Path | None = None, *, spec: AgentSpec = DEFAULT_AGENT_SPEC) -> AgentAssets:
     """The agentic task and model, generated on first use into a cache folder and reused afterwards.
 
-    `cache_dir` is the cache root (default `default_cache_root()`); the assets live in its
+    `cache_dir` is the cache root (default `hflow.utils.cache.default_cache_root()`); the assets live in its
     ``agent-v<VERSION>`` folder (``agent-v<VERSION>-<spec digest>`` for a non-default `spec`). A folder
     without a matching completion marker is rebuilt, never used.
     """
@@ -545,7 +545,7 @@ def ensure_agent_assets(cache_dir: str | Path | None = None, *, spec: AgentSpec 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["--_build-model"]:  # internal: the fresh-process model build
         spec = AgentSpec.from_dict(json.loads(argv[2]))
-        with _quiet_transformers():
+        with quiet_transformers():
             _build_model(Path(argv[1]), split_multiplications(multiplication_problems(), spec.num_val)[0], spec)
         return 0
     import argparse

@@ -1,6 +1,6 @@
 """The built-in default task and model: what `main_ppo` trains when no data or model is given.
 
-**Task** (`data_source="hflow/arithmetic"`, scored by `hflow.utils.reward_score.arithmetic`):
+**Task** (`data_source="hflow/arithmetic"`, scored by `hflow.reward.score.arithmetic`):
 single-digit addition and subtraction, asked as one chat user message: ``What is 7 + 5?`` (answer
 ``12``), ``What is 9 - 4?`` (answer ``5``). All 155 such problems with a non-negative answer
 (``a + b`` and ``a - b`` for digits ``a >= b``); a fixed, hash-chosen 20 of each operation form the
@@ -18,11 +18,14 @@ which is the signal GRPO/PPO needs. RL sees only the training prompts and the ex
 the validation score shows that the correction carries over to problems it never trained on.
 
 **Cache**: `ensure_builtin_assets()` builds everything on first use into
-``$HFLOW_CACHE/builtin-v<VERSION>`` (default ``~/.cache/hflow``) and reuses it afterwards. A build
-goes into a temporary folder beside it, writes its completion marker last and is then renamed into
-place, under a file lock, so a crashed or concurrent build never leaves a half-written folder that
-is used. The same version and spec give the same bytes: the data is pure Python and the weights come
-from seeded, single-threaded CPU training (same torch build and CPU family).
+``$HFLOW_CACHE/builtin-v<VERSION>`` (default ``~/.cache/hflow``) and reuses it afterwards, with the
+protocol of `hflow.tasks.assets` (the task assets' cache, shared with the other built-in tasks): a
+build goes into a temporary folder beside it, writes its completion marker last and is then renamed
+into place, under a file lock, so a crashed or concurrent build never leaves a half-written folder
+that is used. The same version and spec give the same bytes: the data is pure Python and the weights
+come from seeded, single-threaded CPU training (same torch build and CPU family). This module holds
+only the arithmetic task's own parts; `hflow.tasks.agent_task` reuses its asset layout
+(`builtin_layout`) and `hflow.tasks.judge_task` and `hflow.tasks.rlhf_task` its problems.
 
     from hflow.tasks.builtin_task import ensure_builtin_assets
     assets = ensure_builtin_assets()      # about a minute the first time, instant afterwards
@@ -33,24 +36,31 @@ from seeded, single-threaded CPU training (same torch build and CPU family).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hflow.utils.cache import default_cache_root
+from hflow.tasks.assets import (
+    deterministic_torch,
+    ensure_cached_folder,
+    finish_folder,
+    fit,
+    has_marker,
+    init_and_pretrain,
+    new_folder,
+    pretrained_model,
+    prompt_ids,
+    quiet_transformers,
+    run_cache_command,
+    task_row,
+    write_parquet,
+)
 
 __all__ = [
     "ABILITY",
@@ -63,10 +73,9 @@ __all__ = [
     "BuiltinSpec",
     "Problem",
     "build_builtin_assets",
+    "builtin_layout",
     "builtin_problems",
-    "default_cache_root",
     "ensure_builtin_assets",
-    "ensure_cached_folder",
     "split_problems",
 ]
 
@@ -77,7 +86,6 @@ VERSION = "1"
 DATA_SOURCE = "hflow/arithmetic"
 ABILITY = "arithmetic"
 
-MARKER_NAME = "COMPLETE"
 INFO_NAME = "builtin_info.json"
 _SPLIT_SALT = "hflow-builtin-arithmetic"
 
@@ -192,8 +200,9 @@ def split_problems(problems: list[Problem], num_val_per_op: int) -> tuple[list[P
 
 def _rows(problems: list[Problem], split: str) -> list[dict]:
     return [
-        _task_row(
+        task_row(
             DATA_SOURCE,
+            ABILITY,
             p.question,
             p.answer,
             {"split": split, "index": i, "a": p.a, "op": p.op, "b": p.b, "answer": p.answer},
@@ -202,76 +211,7 @@ def _rows(problems: list[Problem], split: str) -> list[dict]:
     ]
 
 
-def _task_row(data_source: str, question: str, answer: int, extra_info: dict) -> dict:
-    """One row of the hflow data contract: the question as the one user message, scored by the answer."""
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": question}],
-        "ability": ABILITY,
-        "reward_model": {"style": "rule", "ground_truth": str(answer)},
-        "extra_info": extra_info,
-    }
-
-
-def _write_parquet(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-
-
 # ---------------------------------------------------------------------------------------- model
-
-
-@contextlib.contextmanager
-def _deterministic_torch(seed: int) -> Iterator[None]:
-    """Seeded, single-threaded, deterministic torch for the duration; the caller's state is restored."""
-    import torch
-
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No "Loading weights" / "Writing model shards" progress bars in the caller's log."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _can_pin_one_thread() -> bool:
-    """False when `torch.set_num_threads` has been disabled in this process (an in-process vLLM
-    engine replaces it with a no-op), so bit-reproducible training must run in a fresh process."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ok = torch.get_num_threads() == 1
-    torch.set_num_threads(before)
-    return ok
-
-
-def _encode(tokenizer, problem: Problem) -> list[int]:
-    messages = [{"role": "user", "content": problem.question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> dict:
@@ -288,7 +228,7 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
     # one-too-high answer and, with p_hedge, the hedge.
     seqs, starts, weights = [], [], []
     for p in problems:
-        prompt = _encode(tokenizer, p)
+        prompt = prompt_ids(tokenizer, p.question)
         for text, weight in _corpus_answers(p.answer, spec):
             seqs.append(prompt + tokenizer.encode(text, add_special_tokens=False) + [eos])
             starts.append(len(prompt))
@@ -316,37 +256,12 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
         row_weight = weights_t[rows][:, None].expand_as(sel)[sel]
         return (nll * row_weight).sum() / per_step  # expected NLL of one corpus answer per problem
 
-    loss = _fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
+    loss = fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
     model.save_pretrained(str(model_dir))
     return {
         "final_loss": round(loss.item(), 4),
         "entropy_floor": round(_entropy([w for _, w in _corpus_answers(0, spec)]), 4),
     }
-
-
-def _fit(model, steps: int, lr: float, warmup_steps: int, batch_loss: Callable[[], Any]):
-    """`steps` AdamW steps (betas 0.9/0.98, no weight decay; linear warm-up to `lr`, cosine decay to 0;
-    gradients clipped at norm 1) on `batch_loss()`, a fresh batch's loss each call; the model is left in
-    eval mode. Returns the last loss."""
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-
-    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 0
-        return min(1.0, (step + 1) / warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        loss = batch_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    model.eval()
-    return loss
 
 
 def _entropy(shares: list[float]) -> float:
@@ -360,7 +275,7 @@ def _greedy_answers(model_dir: Path, problems: list[Problem], max_new_tokens: in
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [_encode(tokenizer, p) for p in problems]
+    prompts = [prompt_ids(tokenizer, p.question) for p in problems]
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -380,7 +295,7 @@ def _greedy_answers(model_dir: Path, problems: list[Problem], max_new_tokens: in
 
 
 def _base_model_report(model_dir: Path, train: list[Problem], val: list[Problem], hedges: bool = False) -> dict:
-    from hflow.utils.reward_score.arithmetic import compute_score, extract_answer
+    from hflow.reward.score.arithmetic import compute_score, extract_answer
 
     report = {}
     for name, problems in (("train", train), ("val", val)):
@@ -405,105 +320,40 @@ def _base_model_report(model_dir: Path, train: list[Problem], val: list[Problem]
 # ---------------------------------------------------------------------------------------- build
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) -> BuiltinAssets:
     """Generate the assets into `out_dir` (which must be new or empty), completion marker last.
 
     Prefer `ensure_builtin_assets`, which adds the cache, the lock and the atomic rename.
     """
-    out = _new_folder(out_dir, "build_builtin_assets")
+    out = new_folder(out_dir, "build_builtin_assets")
     t0 = time.perf_counter()
 
     problems = builtin_problems()
     train, val = split_problems(problems, spec.num_val_per_op)
     (out / "data").mkdir()
-    _write_parquet(_rows(train, "train"), out / "data" / "train.parquet")
-    _write_parquet(_rows(val, "val"), out / "data" / "val.parquet")
+    write_parquet(_rows(train, "train"), out / "data" / "train.parquet")
+    write_parquet(_rows(val, "val"), out / "data" / "val.parquet")
 
     model_dir = out / "model"
-    with _quiet_transformers():
-        stats = _pretrained_model(lambda: _build_model(model_dir, problems, spec), __name__, model_dir, spec)
-        with _deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
+    with quiet_transformers():
+        stats = pretrained_model(lambda: _build_model(model_dir, problems, spec), __name__, model_dir, spec)
+        with deterministic_torch(spec.seed):  # the report is in the info file: keep its bytes fixed too
             base_model = _base_model_report(model_dir, train, val, hedges=spec.p_hedge > 0)
 
     info = {"version": VERSION, "spec": spec.as_dict(), "spec_digest": spec.digest(), "data_source": DATA_SOURCE}
-    _finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
+    finish_folder(out, INFO_NAME, _marker_text(spec), info, (len(train), len(val)), stats, base_model)
     logger.info(
         "built-in assets built in %.1f s: %s",
         time.perf_counter() - t0,
         json.dumps(base_model),
     )
-    return _assets(out)
-
-
-def _new_folder(out_dir: str | Path, builder: str) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; {builder} writes into a new folder")
-    return out
-
-
-def _finish_folder(
-    out: Path, info_name: str, marker_text: str, info: dict, sizes: tuple[int, int], stats: dict, base_model: dict
-) -> None:
-    """Write the info file (`info`, the (train, val) `sizes`, the pre-training `stats`, the `base_model`
-    report and the SHA-256 of every file in `out`), then the completion marker."""
-    info = {
-        **info,
-        "num_train": sizes[0],
-        "num_val": sizes[1],
-        "pretrain": stats,
-        "base_model": base_model,
-        "sha256": {str(p.relative_to(out)): _sha256(p) for p in sorted(out.rglob("*")) if p.is_file()},
-    }
-    (out / info_name).write_text(json.dumps(info, indent=2) + "\n")
-    # Written last: its presence (with the matching content) is what makes the folder usable.
-    (out / MARKER_NAME).write_text(marker_text)
-
-
-def _pretrained_model(build: Callable[[], None], module: str, model_dir: Path, spec: Any) -> dict:
-    """Run `build()` (which writes the model and its pretrain_stats.json) here when torch can be pinned
-    to one thread, else in a fresh interpreter as ``python -m <module> --_build-model <model_dir> <spec
-    as JSON>`` (the module's `_main` handles it). Returns the statistics (their file is removed)."""
-    if _can_pin_one_thread():
-        build()
-    else:
-        cmd = [sys.executable, "-m", module, "--_build-model", str(model_dir), json.dumps(asdict(spec))]
-        package_root = str(Path(__file__).resolve().parents[2])  # so that `-m hflow...` imports this hflow
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
-    stats_file = model_dir / "pretrain_stats.json"
-    stats = json.loads(stats_file.read_text())
-    stats_file.unlink()
-    return stats
+    return builtin_layout(out)
 
 
 def _build_model(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> None:
     shape = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
     shape = {k: getattr(spec, k) for k in shape}
-    _init_and_pretrain(model_dir, spec.seed, shape, lambda: _pretrain(model_dir, problems, spec))
-
-
-def _init_and_pretrain(
-    model_dir: Path, seed: int, shape: dict, pretrain: Callable[[], dict], **build_kwargs: Any
-) -> None:
-    """A random tiny Qwen2 of `shape` (`build_causal_lm`'s shape arguments, `build_kwargs` its others)
-    in `model_dir`, then `pretrain()` on it, seeded and single-threaded; its statistics go to
-    pretrain_stats.json."""
-    from hflow.tasks.tiny_models import build_causal_lm
-
-    with _deterministic_torch(seed):
-        build_causal_lm(model_dir, preset="tiny", arch="qwen2", seed=seed, **build_kwargs, **shape)
-        stats = pretrain()
-    (model_dir / "pretrain_stats.json").write_text(json.dumps(stats))
+    init_and_pretrain(model_dir, spec.seed, shape, lambda: _pretrain(model_dir, problems, spec))
 
 
 # ---------------------------------------------------------------------------------------- cache
@@ -517,7 +367,8 @@ def _marker_text(spec: BuiltinSpec) -> str:
     return json.dumps({"version": VERSION, "spec_digest": spec.digest()}, sort_keys=True) + "\n"
 
 
-def _assets(folder: Path) -> BuiltinAssets:
+def builtin_layout(folder: Path) -> BuiltinAssets:
+    """The paths of the built-in assets in `folder` (complete or not)."""
     return BuiltinAssets(
         root=str(folder),
         model_path=str(folder / "model"),
@@ -528,59 +379,14 @@ def _assets(folder: Path) -> BuiltinAssets:
 
 
 def _is_complete(folder: Path, spec: BuiltinSpec) -> bool:
-    a = _assets(folder)
-    return _has_marker(folder, _marker_text(spec), [a.train_file, a.val_file, a.info_file])
-
-
-def _has_marker(folder: Path, marker_text: str, files: Sequence[str]) -> bool:
-    """`folder`'s completion marker reads `marker_text`, and `files` and the model's weights exist."""
-    try:
-        if (folder / MARKER_NAME).read_text() != marker_text:
-            return False
-    except OSError:
-        return False
-    model = folder / "model"
-    return all(os.path.isfile(p) for p in [*files, model / "config.json", model / "model.safetensors"])
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock (POSIX `flock`); a no-op where `fcntl` does not exist."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the temp-folder + rename protocol alone keeps the cache valid
-        yield
-        return
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _make_readable(folder: Path) -> None:
-    """Give the tree the permissions of ordinary new files (mkdtemp makes its folder private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def _remove_folder(folder: Path) -> None:
-    """Move `folder` out of the way atomically, then delete it."""
-    trash = folder.with_name(f".{folder.name}.stale-{uuid.uuid4().hex[:8]}")
-    try:
-        os.rename(folder, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
+    a = builtin_layout(folder)
+    return has_marker(folder, _marker_text(spec), [a.train_file, a.val_file, a.info_file])
 
 
 def ensure_builtin_assets(cache_dir: str | Path | None = None, *, spec: BuiltinSpec = DEFAULT_SPEC) -> BuiltinAssets:
     """The built-in task and model, generated on first use into a cache folder and reused afterwards.
 
-    `cache_dir` is the cache root (default `default_cache_root()`); the assets live in its
+    `cache_dir` is the cache root (default `hflow.utils.cache.default_cache_root()`); the assets live in its
     ``builtin-v<VERSION>`` folder (``builtin-v<VERSION>-<spec digest>`` for a non-default `spec`).
     A folder without a matching completion marker is rebuilt, never used.
     """
@@ -591,77 +397,13 @@ def ensure_builtin_assets(cache_dir: str | Path | None = None, *, spec: BuiltinS
         lambda tmp: build_builtin_assets(tmp, spec),
         "the built-in arithmetic task and model (once; about a minute on 2 CPU cores)",
     )
-    return _assets(folder)
-
-
-def ensure_cached_folder(
-    cache_dir: str | Path | None,
-    name: str,
-    is_complete: Callable[[Path], bool],
-    build: Callable[[Path], object],
-    what: str,
-) -> Path:
-    """The folder `name` in the cache root `cache_dir` (default `default_cache_root()`), built with
-    `build(tmp)` unless it is complete already (`is_complete`).
-
-    The build goes into a temporary folder beside it and is renamed into place, under a file lock in
-    the cache root, so a crashed or concurrent build never leaves a half-written folder that is used;
-    an incomplete or outdated folder is replaced. `what` names the build in the log.
-    """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    final = root / name
-    if is_complete(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{final.name}.lock"):
-        if is_complete(final):  # another process built it while we waited for the lock
-            return final
-        logger.warning("hflow: generating %s into %s", what, final)
-        t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-        try:
-            build(tmp)
-            _make_readable(tmp)
-            if final.exists():  # an incomplete or outdated folder: never used, replaced
-                _remove_folder(final)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                # Only without a lock (no fcntl) can another builder have won the race: use its folder.
-                if not is_complete(final):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        logger.warning("hflow: built in %.0f s: %s", time.perf_counter() - t0, final)
-    return final
-
-
-def run_cache_command(cache_dir: str | None, build: Callable[[], int]) -> int:
-    """A task builder's command line: `cache_dir` checked before any work (a folder, writable, not in a
-    training checkpoint folder: `hflow.utils.safe_output`), then `build()`; a refused or unwritable path is
-    one `hflow: error:` paragraph and status 2, no traceback."""
-    from hflow.utils.errors import UserError
-    from hflow.utils.safe_output import check_output_folder
-
-    try:
-        if cache_dir is not None:
-            check_output_folder(cache_dir, arg="--cache-dir", what="the cache", inputs={}, overwrite=None)
-        return build()
-    except UserError as err:
-        print(f"hflow: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"hflow: error: {err.filename or cache_dir}: {err.strerror or err}; pass --cache-dir with a folder "
-              "you can write (default $HFLOW_CACHE or ~/.cache/hflow)", file=sys.stderr)
-        return 2
+    return builtin_layout(folder)
 
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["--_build-model"]:  # internal: the fresh-process model build
         model_dir, spec_json = Path(argv[1]), argv[2]
-        with _quiet_transformers():
+        with quiet_transformers():
             _build_model(model_dir, builtin_problems(), BuiltinSpec(**json.loads(spec_json)))
         return 0
     import argparse

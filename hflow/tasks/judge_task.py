@@ -2,7 +2,7 @@
 
 **Pairs**: for a built-in problem (`hflow.tasks.builtin_task`) and a candidate answer -- the right one,
 or one off by -2, -1, +1 or +2 -- the judge's user message is the built-in yes/no template of
-`hflow.utils.judge` (question, reference answer, response) and the right reply is ``yes`` exactly when the
+`hflow.reward.judge` (question, reference answer, response) and the right reply is ``yes`` exactly when the
 candidate equals the answer. The judge is trained on the *training* problems' pairs only (115 problems,
 575 pairs); the validation problems' pairs (40 problems, 200 pairs) are held out and are what its
 agreement is measured on (`judge_pairs`, `heldout_agreement`).
@@ -14,8 +14,8 @@ each. It learns to compare the response's number with the reference's, so it jud
 the reference in its prompt (without it, it would have to do the arithmetic, which it never learned).
 
 **Cache**: `ensure_judge_assets()` builds it once into ``$HFLOW_CACHE/judge-v<VERSION>`` with the
-built-in task's cache protocol (`ensure_cached_folder`: temporary folder, completion marker last,
-rename, file lock). ``python -m hflow.tasks.judge_task`` builds (or finds) it and prints its info.
+task assets' cache of `hflow.tasks.assets` (`ensure_cached_folder`: temporary folder, completion marker
+last, rename, file lock). ``python -m hflow.tasks.judge_task`` builds (or finds) it and prints its info.
 """
 
 from __future__ import annotations
@@ -25,22 +25,21 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hflow.tasks.builtin_task import (
-    Problem,
-    _deterministic_torch,
-    _finish_folder,
-    _fit,
-    _has_marker,
-    _init_and_pretrain,
-    _new_folder,
-    _pretrained_model,
-    _quiet_transformers,
-    builtin_problems,
+from hflow.tasks.assets import (
+    deterministic_torch,
     ensure_cached_folder,
+    finish_folder,
+    fit,
+    has_marker,
+    init_and_pretrain,
+    new_folder,
+    pretrained_model,
+    prompt_ids,
+    quiet_transformers,
     run_cache_command,
-    split_problems,
 )
-from hflow.utils.judge import render_judge_prompt
+from hflow.tasks.builtin_task import Problem, builtin_problems, split_problems
+from hflow.reward.judge import render_judge_prompt
 
 __all__ = ["OFFSETS", "VERSION", "JudgeAssets", "JudgePair", "JudgeSpec", "ensure_judge_assets", "judge_pairs"]
 
@@ -90,12 +89,6 @@ def judge_pairs(split: str, num_val_per_op: int = 20) -> list[JudgePair]:
     return [JudgePair(p, p.answer + offset, offset == 0) for p in problems for offset in OFFSETS]
 
 
-def _encode(tokenizer, pair: JudgePair, with_reference: bool = True) -> list[int]:
-    messages = [{"role": "user", "content": pair.user_message(with_reference)}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def verdict_token_ids(tokenizer) -> tuple[int, int]:
     """The judge's single ``yes`` and ``no`` tokens (its tokenizer adds them as whole tokens)."""
     ids = [tokenizer.encode(word, add_special_tokens=False) for word in (YES, NO)]
@@ -116,7 +109,7 @@ def hf_yes_probabilities(model_dir: str | Path, pairs: list[JudgePair], with_ref
     out = []
     with torch.no_grad():
         for pair in pairs:
-            ids = torch.tensor([_encode(tokenizer, pair, with_reference)])
+            ids = torch.tensor([prompt_ids(tokenizer, pair.user_message(with_reference))])
             logits = model(input_ids=ids).logits[0, -1].double()
             two = torch.softmax(logits[[yes, no]], dim=-1)
             out.append(float(two[0]))
@@ -131,7 +124,7 @@ def _train(model_dir: Path, pairs: list[JudgePair], spec: JudgeSpec) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     yes, no = verdict_token_ids(tokenizer)
-    prompts = [_encode(tokenizer, pair) for pair in pairs]
+    prompts = [prompt_ids(tokenizer, pair.user_message()) for pair in pairs]
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -154,7 +147,7 @@ def _train(model_dir: Path, pairs: list[JudgePair], spec: JudgeSpec) -> dict:
         nll = F.cross_entropy(logits, targets[rows], reduction="none")
         return (nll * weights[rows]).sum() / per_step
 
-    loss = _fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
+    loss = fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
     model.save_pretrained(str(model_dir))
     return {"final_loss": round(loss.item(), 4), "train_pairs": len(pairs)}
 
@@ -163,7 +156,7 @@ def _build_model(model_dir: Path, spec: JudgeSpec) -> None:
     shape = {k: getattr(spec, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                            "intermediate_size")}
     pairs = judge_pairs("train", spec.num_val_per_op)
-    _init_and_pretrain(model_dir, spec.seed, shape, lambda: _train(model_dir, pairs, spec),
+    init_and_pretrain(model_dir, spec.seed, shape, lambda: _train(model_dir, pairs, spec),
                        tokenizer_kwargs={"added_tokens": [YES, NO]})
 
 
@@ -176,15 +169,15 @@ def heldout_agreement(model_dir: str | Path, spec: JudgeSpec, with_reference: bo
 
 
 def build_judge_assets(out_dir: str | Path, spec: JudgeSpec = JudgeSpec()) -> JudgeAssets:
-    out = _new_folder(out_dir, "build_judge_assets")
+    out = new_folder(out_dir, "build_judge_assets")
     model_dir = out / "model"
-    with _quiet_transformers():
-        stats = _pretrained_model(lambda: _build_model(model_dir, spec), __name__, model_dir, spec)
-        with _deterministic_torch(spec.seed):
+    with quiet_transformers():
+        stats = pretrained_model(lambda: _build_model(model_dir, spec), __name__, model_dir, spec)
+        with deterministic_torch(spec.seed):
             report = heldout_agreement(model_dir, spec)
     info = {"version": VERSION, "spec": asdict(spec)}
     sizes = (len(judge_pairs("train", spec.num_val_per_op)), report["pairs"])
-    _finish_folder(out, INFO_NAME, _marker_text(spec), info, sizes, stats, {"heldout_hf": report})
+    finish_folder(out, INFO_NAME, _marker_text(spec), info, sizes, stats, {"heldout_hf": report})
     return _assets(out)
 
 
@@ -202,7 +195,7 @@ def ensure_judge_assets(cache_dir: str | Path | None = None, *, spec: JudgeSpec 
     folder = ensure_cached_folder(
         cache_dir,
         f"judge-v{VERSION}",
-        lambda f: _has_marker(f, _marker_text(spec), [str(f / INFO_NAME)]),
+        lambda f: has_marker(f, _marker_text(spec), [str(f / INFO_NAME)]),
         lambda tmp: build_judge_assets(tmp, spec),
         "the tiny arithmetic judge (once; about a minute on 2 CPU cores)",
     )
@@ -211,7 +204,7 @@ def ensure_judge_assets(cache_dir: str | Path | None = None, *, spec: JudgeSpec 
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["--_build-model"]:  # internal: the fresh-process model build
-        with _quiet_transformers():
+        with quiet_transformers():
             _build_model(Path(argv[1]), JudgeSpec(**json.loads(argv[2])))
         return 0
     return run_cache_command(argv[0] if argv else None, lambda: _print_assets(argv[0] if argv else None))

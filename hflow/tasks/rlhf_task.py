@@ -8,7 +8,7 @@ Demonstrators answer every question correctly but in one of four styles:
     hedge     "I think it is 12."   20 %
     equation  "7 + 5 = 12"          15 %
 
-The hidden preference (`hflow.utils.reward_score.answer_style`, data source ``hflow/arithmetic-style``)
+The hidden preference (`hflow.reward.score.answer_style`, data source ``hflow/arithmetic-style``)
 needs the number to be right: 1 for the right number in the house style, 0.5 for the right number in
 another style, 0 for a wrong number. The preference pairs, labelled by it, are of two kinds (column
 ``kind``):
@@ -44,9 +44,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hflow.tasks.assets import task_row, write_parquet
 from hflow.tasks.builtin_task import Problem, builtin_problems, split_problems
 from hflow.utils.cache import default_cache_root
-from hflow.utils.reward_score import answer_style
+from hflow.reward.score import answer_style
 
 __all__ = ["DATA_SOURCE", "PAIR_KINDS", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
 
@@ -125,17 +126,8 @@ def _preference_pairs(problems: list[Problem], rng: random.Random) -> list[dict]
 
 
 def _rl_rows(problems: list[Problem], split: str) -> list[dict]:
-    return [{"data_source": DATA_SOURCE, "prompt": _chat(p), "ability": "arithmetic",
-             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-             "extra_info": {"split": split, "index": i, "answer": p.answer}}
+    return [task_row(DATA_SOURCE, "arithmetic", p.question, p.answer, {"split": split, "index": i, "answer": p.answer})
             for i, p in enumerate(problems)]
-
-
-def _write(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def _files(root: Path) -> RLHFTaskData:
@@ -154,12 +146,12 @@ def ensure_rlhf_task_data(cache_dir: str | Path | None = None) -> RLHFTaskData:
     try:
         train, val = split_problems(builtin_problems(), num_val_per_op=20)
         rng = random.Random(_SEED)
-        _write(_demonstrations(train, DEMOS_PER_TRAIN_QUESTION, rng), tmp / "sft_train.parquet")
-        _write(_demonstrations(val, DEMOS_PER_VAL_QUESTION, rng), tmp / "sft_val.parquet")
-        _write(_preference_pairs(train, rng), tmp / "rm_train.parquet")
-        _write(_preference_pairs(val, rng), tmp / "rm_val.parquet")
-        _write(_rl_rows(train, "train"), tmp / "ppo_train.parquet")
-        _write(_rl_rows(val, "val"), tmp / "ppo_val.parquet")
+        write_parquet(_demonstrations(train, DEMOS_PER_TRAIN_QUESTION, rng), tmp / "sft_train.parquet")
+        write_parquet(_demonstrations(val, DEMOS_PER_VAL_QUESTION, rng), tmp / "sft_val.parquet")
+        write_parquet(_preference_pairs(train, rng), tmp / "rm_train.parquet")
+        write_parquet(_preference_pairs(val, rng), tmp / "rm_val.parquet")
+        write_parquet(_rl_rows(train, "train"), tmp / "ppo_train.parquet")
+        write_parquet(_rl_rows(val, "val"), tmp / "ppo_val.parquet")
         (tmp / _MARKER).write_text(VERSION)
         tmp.chmod(0o755)
         try:

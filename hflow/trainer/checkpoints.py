@@ -1,6 +1,6 @@
 """The step folders every trainer (PPO, SFT, reward model) keeps under `trainer.default_local_dir`:
 
-    global_step_<N>/<role>/...        each worker group's own checkpoint (hflow.utils.checkpoint)
+    global_step_<N>/<role>/...        each worker group's own checkpoint (hflow.workers.fsdp.checkpoint)
     global_step_<N>/data/state.pt     the driver's state (data loader position, ...)
     latest_checkpointed_iteration.txt the newest complete step, written last (atomically)
 

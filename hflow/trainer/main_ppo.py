@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hflow import CONFIG_DIR
 from hflow.config_schema import SCHEMAS, ConfigError, check_override_key, validate_config
+from hflow.sandbox import sandbox_env
 from hflow.tasks.defaults import fill_builtin_defaults
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
@@ -61,7 +62,7 @@ def train(trainer, config: DictConfig) -> dict[str, float]:
 def start_backend(config: DictConfig) -> None:
     """Ray (started here, or joined at `ray_init.address`) for `trainer.backend=ray`; for `local`, the
     workers' environment in this process, and Ray is never imported."""
-    env = {**WORKER_ENV, **library_noise_env()}
+    env = {**WORKER_ENV, **library_noise_env(), **sandbox_env()}  # sandbox_env: the run's isolation decision
     if config.trainer.backend == "local":
         for key, value in env.items():
             os.environ.setdefault(key, value)

@@ -102,7 +102,7 @@ def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: to
 
 
 # Registered under a name of its own (transformers' extension point), chosen by
-# `fsdp_utils.default_attn_implementation` where flash-attention is unavailable; its padded masks are SDPA's.
+# `hflow.workers.fsdp.default_attn_implementation` where flash-attention is unavailable; its padded masks are SDPA's.
 AttentionInterface.register(SDPA_VARLEN, _sdpa_varlen_attention)
 AttentionMaskInterface.register(SDPA_VARLEN, _sdpa_varlen_mask)
 

@@ -173,7 +173,7 @@ def check_ema(ema: Any, prefix: str) -> None:
 
 def check_value_head(model: Any, prefix: str) -> None:
     """`value_head_init` is a known choice; a reward model's folder as the critic has one label."""
-    from hflow.utils.fsdp_utils import VALUE_HEAD_INITS, is_sequence_classifier
+    from hflow.workers.fsdp import VALUE_HEAD_INITS, is_sequence_classifier
 
     check_choice(model.value_head_init, VALUE_HEAD_INITS, f"{prefix}.value_head_init")
     config_file = Path(str(model.path)).expanduser() / "config.json"

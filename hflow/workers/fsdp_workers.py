@@ -25,9 +25,9 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.utils.torch_functional import last_valid_index, response_attention_mask
 from hflow.workers.common import load_tokenizer, memory_metrics
-from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_critic, normalize_reward_model
-from hflow.workers.lora import add_lora
+from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, save_hf_model
+from hflow.workers.fsdp.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -66,14 +66,14 @@ class FSDPModelHolder:
 
     def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
                          gradient_checkpointing: bool, train: bool, fp32_modules=()):
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         # `module` was read from disk on rank 0 only (`rank0_only=True`): the shards get its weights
         cpu_offload = fsdp_config.offload_policy
-        with fsdp_utils.weights_from_rank0(module, cpu_offload=cpu_offload):
+        with fsdp.weights_from_rank0(module, cpu_offload=cpu_offload):
             if gradient_checkpointing:
-                fsdp_utils.enable_gradient_checkpointing(module)
-            module = fsdp_utils.apply_fsdp2(
+                fsdp.enable_gradient_checkpointing(module)
+            module = fsdp.apply_fsdp2(
                 module,
                 self.device_mesh,
                 mixed_precision=fsdp_config.get("mixed_precision"),  # the ref's fsdp_config has none: the default
@@ -86,27 +86,27 @@ class FSDPModelHolder:
             module.requires_grad_(False)
             return module, None, None
         # frozen parameters (a LoRA model's base weights) get no optimizer state
-        optimizer = fsdp_utils.build_optimizer([p for p in module.parameters() if p.requires_grad], optim_config)
-        scheduler = fsdp_utils.build_lr_scheduler(optimizer, optim_config, optim_config.total_training_steps)
+        optimizer = fsdp.build_optimizer([p for p in module.parameters() if p.requires_grad], optim_config)
+        scheduler = fsdp.build_lr_scheduler(optimizer, optim_config, optim_config.total_training_steps)
         return module, optimizer, scheduler
 
     def _offload(self, module, optimizer, param: bool, optim: bool) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         if param:
-            fsdp_utils.offload_fsdp_model_to_cpu(module)
+            fsdp.offload_fsdp_model_to_cpu(module)
         if optim and optimizer is not None:
-            fsdp_utils.offload_optimizer(optimizer)
+            fsdp.offload_optimizer(optimizer)
 
     def _onload(self, module, optimizer, param: bool, optim: bool) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         if param:
-            fsdp_utils.load_fsdp_model_to_device(module)
+            fsdp.load_fsdp_model_to_device(module)
         if optim and optimizer is not None:
-            fsdp_utils.load_optimizer(optimizer)
+            fsdp.load_optimizer(optimizer)
 
-    # ---- the health watch's last healthy state (trainer.health; see hflow.utils.snapshot) -----------
+    # ---- the health watch's last healthy state (trainer.health; see hflow.workers.fsdp.snapshot) -----------
 
     def _trainable_parts(self) -> tuple:
         """(module, optimizer, scheduler, optim config, extra tensors to keep, loss config with clip ratios)."""
@@ -114,7 +114,7 @@ class FSDPModelHolder:
 
     def _health_snapshots(self) -> dict:
         if getattr(self, "_snapshots", None) is None:
-            from hflow.utils.snapshot import HostSnapshot
+            from hflow.workers.fsdp.snapshot import HostSnapshot
 
             module, optimizer, scheduler, _, extra, _ = self._trainable_parts()
             # two host copies: the state at the start of this step, and the last one a step proved healthy
@@ -179,11 +179,11 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         self.config = normalize_actor_rollout_ref(self.raw_config, self.role, self.world_size)
         self.init_distributed()
-        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        self.device_mesh = fsdp.build_device_mesh(self.world_size)
         model_cfg = self.config.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         actor_fsdp = self.config.actor.fsdp_config
@@ -192,7 +192,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._offload_ref_param = self._is_ref and not self._ref_in_actor and self.config.ref.fsdp_config.param_offload
 
         if self._is_actor or self._is_rollout:
-            module = fsdp_utils.load_causal_lm(
+            module = fsdp.load_causal_lm(
                 model_cfg.path,
                 dtype=actor_fsdp.model_dtype,
                 override_config=model_cfg.override_config,
@@ -239,7 +239,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         elif self._is_ref:
             from hflow.workers.actor import DataParallelPPOActor
 
-            ref_module = fsdp_utils.load_causal_lm(
+            ref_module = fsdp.load_causal_lm(
                 model_cfg.path,
                 dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
                 override_config=model_cfg.override_config,
@@ -270,7 +270,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             self.ptx_sampler = PtxSampler(ptx.files, ptx.text_key, self.tokenizer, ptx.batch_size_per_gpu,
                                           ptx.max_length, seed=ptx.seed, rank=self.rank)
         if actor_cfg.ema.enable:
-            from hflow.utils.ema import ParamEMA
+            from hflow.workers.fsdp.ema import ParamEMA
 
             # Offloaded parameters leave the device between phases; their average never takes it.
             self.actor_ema = ParamEMA(self.actor_module, actor_cfg.ema.decay,
@@ -384,7 +384,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def weight_manifest(self) -> WeightManifest:
         """The tensors each update streams to the rollout pool, in order, in the rollout's dtype."""
-        from hflow.utils.fsdp_utils import full_param_shapes
+        from hflow.workers.fsdp import full_param_shapes
 
         self._require(self._is_actor, "weight_manifest", "actor")
         return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype))
@@ -399,7 +399,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
     def send_weights(self, manifest: WeightManifest, version: int = 0) -> dict[str, float]:
         """Stream the actor's current weights, policy `version`, to the rollout pool (every rank gathers,
         rank 0 announces the update and sends)."""
-        from hflow.utils.fsdp_utils import iter_full_params
+        from hflow.workers.fsdp import iter_full_params
 
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
@@ -464,18 +464,18 @@ class CriticWorker(Worker, FSDPModelHolder):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
         from hflow.workers.critic import DataParallelPPOCritic
 
         self.config = normalize_critic(self.raw_config, self.world_size)
         self.init_distributed()
-        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        self.device_mesh = fsdp.build_device_mesh(self.world_size)
         model_cfg = self.config.model
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         fsdp_cfg = model_cfg.fsdp_config
         self._offload_param = fsdp_cfg.param_offload
         self._offload_optim = fsdp_cfg.optimizer_offload
-        module = fsdp_utils.load_value_model(
+        module = fsdp.load_value_model(
             model_cfg.path,
             dtype=fsdp_cfg.model_dtype,
             override_config=model_cfg.override_config,
@@ -545,11 +545,11 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         self.config = normalize_reward_model(self.raw_config)
         self.init_distributed()
-        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        self.device_mesh = fsdp.build_device_mesh(self.world_size)
         model_cfg = self.config.model
         trust = model_cfg.trust_remote_code
         self.tokenizer = load_tokenizer(model_cfg.path, trust)
@@ -562,11 +562,11 @@ class RewardModelWorker(Worker):
             self.input_tokenizer.get_vocab() != self.tokenizer.get_vocab()
             or self.input_tokenizer.chat_template != self.tokenizer.chat_template
         )
-        module = fsdp_utils.load_reward_model(
+        module = fsdp.load_reward_model(
             model_cfg.path, dtype=device.compute_dtype(), trust_remote_code=trust, rank0_only=True)
         module.config.pad_token_id = self.tokenizer.pad_token_id
-        with fsdp_utils.weights_from_rank0(module):
-            self.module = fsdp_utils.apply_fsdp2(
+        with fsdp.weights_from_rank0(module):
+            self.module = fsdp.apply_fsdp2(
                 module, self.device_mesh, mixed_precision=None,
                 reshard_after_forward=model_cfg.fsdp_config.reshard_after_forward,
                 gather_once_per_pass=model_cfg.fsdp_config.gather_once_per_pass)
@@ -613,7 +613,7 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         responses = data.batch["responses"]
         inputs = self._reencode(data) if self._retokenize else {
@@ -621,7 +621,7 @@ class RewardModelWorker(Worker):
         dev = device.get_device()
         scores = []
         micro = int(self.config.micro_batch_size_per_gpu)
-        with fsdp_utils.no_grad_pass(self.module):
+        with fsdp.no_grad_pass(self.module):
             for start in range(0, len(data), micro):
                 scores.append(self._scores(inputs["input_ids"][start:start + micro].to(dev),
                                            inputs["attention_mask"][start:start + micro].to(dev)).cpu())

@@ -25,9 +25,9 @@ from omegaconf import DictConfig
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
-from hflow.utils.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.config import check_model_path, resolved_copy
 from hflow.workers.common import load_tokenizer, memory_metrics
+from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.fsdp_workers import FSDPModelHolder, last_token_scores
 
 __all__ = ["SFTWorker", "RewardModelTrainWorker", "last_token_scores"]
@@ -47,13 +47,13 @@ class StageWorker(Worker, FSDPModelHolder):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
         self.config = resolved_copy(self.raw_config)
         model_cfg = self.config.model
         check_model_path(model_cfg.path, "model.path")
         self.init_distributed()
-        self.device_mesh = fsdp_utils.build_device_mesh(self.world_size)
+        self.device_mesh = fsdp.build_device_mesh(self.world_size)
         self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path, model_cfg.trust_remote_code)
         module = self._load_module(model_cfg)
         self.hf_config = module.config
@@ -71,7 +71,7 @@ class StageWorker(Worker, FSDPModelHolder):
         return []
 
     def _optimizer_step(self, metrics: dict[str, list[float]]) -> None:
-        from hflow.utils.fsdp_utils import clip_grad_norm_and_step
+        from hflow.workers.fsdp import clip_grad_norm_and_step
 
         metrics["train/grad_norm"] = [clip_grad_norm_and_step(self.module, self.optimizer, self.config.optim.grad_clip)]
         metrics["train/lr"] = [self.lr_scheduler.get_last_lr()[0]]
@@ -125,9 +125,9 @@ class SFTWorker(StageWorker):
     """Supervised fine-tuning: next-token loss on the tokens `loss_mask` marks (the assistant's)."""
 
     def _load_module(self, model_cfg: DictConfig) -> torch.nn.Module:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
-        return fsdp_utils.load_causal_lm(
+        return fsdp.load_causal_lm(
             model_cfg.path, dtype=model_cfg.fsdp_config.model_dtype, override_config=model_cfg.override_config,
             trust_remote_code=model_cfg.trust_remote_code, attn_implementation=model_cfg.attn_implementation,
             rank0_only=True)
@@ -160,7 +160,7 @@ class SFTWorker(StageWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def evaluate(self, data: DataProto) -> DataProto:
         """Per row: the summed NLL of its trained tokens and their count (`nll_sum`, `num_tokens`)."""
-        from hflow.utils.fsdp_utils import no_grad_pass
+        from hflow.workers.fsdp import no_grad_pass
 
         self._onload(self.module, None, self._offload_param, False)
         self.module.eval()
@@ -180,9 +180,9 @@ class RewardModelTrainWorker(StageWorker):
     preferred one as the target, which for K=2 is -log sigmoid(r_chosen - r_rejected)."""
 
     def _load_module(self, model_cfg: DictConfig) -> torch.nn.Module:
-        from hflow.utils import fsdp_utils
+        from hflow.workers import fsdp
 
-        module = fsdp_utils.load_reward_model(model_cfg.path, dtype=model_cfg.fsdp_config.model_dtype,
+        module = fsdp.load_reward_model(model_cfg.path, dtype=model_cfg.fsdp_config.model_dtype,
                                               trust_remote_code=model_cfg.trust_remote_code,
                                               attn_implementation=model_cfg.attn_implementation, rank0_only=True)
         module.config.pad_token_id = self.tokenizer.pad_token_id
@@ -226,7 +226,7 @@ class RewardModelTrainWorker(StageWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def evaluate(self, data: DataProto) -> DataProto:
         """Per row: its score (`scores`); the driver groups them."""
-        from hflow.utils.fsdp_utils import no_grad_pass
+        from hflow.workers.fsdp import no_grad_pass
 
         self._onload(self.module, None, self._offload_param, False)
         self.module.eval()

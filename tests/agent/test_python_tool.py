@@ -10,6 +10,23 @@ from hflow.agent.tool_config import builtin_tools, load_tools
 from hflow.agent.tools import PythonTool, run_tool_call
 from hflow.sandbox import SandboxResult
 from hflow.utils.errors import ConfigError
+from tests.sandbox.refusal import allow_unisolated_where_refused, refuse_namespaces
+
+
+@pytest.fixture(autouse=True)
+def _unisolated_where_refused(monkeypatch):
+    allow_unisolated_where_refused(monkeypatch)
+
+
+def test_fails_closed_where_namespaces_are_refused(tmp_path, monkeypatch):
+    # The sandbox refuses (as under Docker's seccomp profile): the tool's call fails, the code never runs.
+    refuse_namespaces(monkeypatch, tmp_path)
+    marker = tmp_path / "ran"
+    outcome = call(PythonTool(), f"open({str(marker)!r}, 'w').write('x')")
+    assert outcome.error == "raised" and "the sandbox failed" in outcome.text and "allow_unisolated" in outcome.text
+    assert not marker.exists()
+    monkeypatch.setenv("HFLOW_SANDBOX_ALLOW_UNISOLATED", "1")  # what a run with sandbox.allow_unisolated=true sets
+    assert call(PythonTool(), "print(1)").text == "1\n"
 
 
 def call(tool, code, timeout_s=30.0):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hflow.algorithms import core_algos as ca
+from hflow.algorithms import advantages, core_algos as ca
 from tests.ranks import spawn_ranks
 
 EPS = 1e-6
@@ -402,13 +402,13 @@ def test_remax_hand_case():
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
-    monkeypatch.setattr(ca, "_ADV_ESTIMATORS", dict(ca._ADV_ESTIMATORS))
+    monkeypatch.setattr(advantages, "_ADV_ESTIMATORS", dict(advantages._ADV_ESTIMATORS))
 
 
 def test_registry_lookup():
     assert ca.get_adv_estimator_fn("gae") is ca.compute_gae_advantage_return
     assert ca.get_adv_estimator_fn(ca.AdvantageEstimator.GRPO) is ca.compute_grpo_outcome_advantage
-    assert {str(e) for e in ca.AdvantageEstimator} <= set(ca._ADV_ESTIMATORS)
+    assert {str(e) for e in ca.AdvantageEstimator} <= set(advantages._ADV_ESTIMATORS)
     with pytest.raises(ValueError, match="Unknown advantage estimator 'GAE'.*gae, grpo"):
         ca.get_adv_estimator_fn("GAE")
 

@@ -80,8 +80,7 @@ def _logits(worker) -> torch.Tensor:
 
 
 def _save_main(rank: int, port: int, model_dirs: dict[str, str], out: str) -> None:
-    from hflow.utils.ema import _local
-    from hflow.utils.fsdp_utils import clean_param_name
+    from hflow.workers.fsdp import clean_param_name, local_tensor
     from hflow.workers.fsdp_workers import ActorRolloutRefWorker
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -100,7 +99,7 @@ def _save_main(rank: int, port: int, model_dirs: dict[str, str], out: str) -> No
                 averages = worker.actor_ema.state_dict()
                 with torch.no_grad():
                     for name, param in worker.actor_module.named_parameters():
-                        _local(param).copy_(_local(averages[clean_param_name(name)]))
+                        local_tensor(param).copy_(local_tensor(averages[clean_param_name(name)]))
                 logits["ema"] = _logits(worker)
             if rank == 0:
                 torch.save(logits, f"{out}/{case}/logits.pt")

@@ -14,8 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hflow.config_schema import ConfigError, validate_config
-from hflow.cli import memory_plan as mp
-from hflow.trainer.main_ppo import CONFIG_DIR, fill_builtin_defaults
+from hflow.cli import memory_facts, memory_plan as mp
+from hflow import CONFIG_DIR
+from hflow.tasks.defaults import fill_builtin_defaults
 
 GIB = 2**30
 # a small run of the built-in model: short sequences, few of them
@@ -54,15 +55,16 @@ def test_the_plan_of_the_builtin_run_has_every_phase_and_fits():
 
 def test_the_constants_memory_plan_repeats_are_the_modules_own():
     # memory_plan repeats them so that a cached plan imports neither vLLM nor transformers
-    from hflow.utils import fsdp_utils, packing
+    from hflow.utils import packing
+    from hflow.workers import fsdp
 
     source = (Path(mp.__file__).parents[1] / "workers" / "rollout" / "vllm_rollout.py").read_text()
     [expr] = re.findall(r"^CPU_DEFAULT_KV_CACHE_BYTES = (.+)$", source, flags=re.M)
     assert eval(compile(ast.parse(expr, mode="eval"), "", "eval")) == mp.CPU_DEFAULT_KV_CACHE_BYTES
     assert mp.CPU_ATTENTION == packing.SDPA_VARLEN
     for numel, size, device in ((7_000_000_000, 2, 80 * GIB), (14_000_000_000, 2, 80 * GIB), (10**6, 4, 10**6)):
-        assert mp._gather_once(None, numel, size, "cuda", device) == fsdp_utils.gather_once_fits(numel, size, device, True)
-    assert mp._gather_once(None, 10**12, 4, "cpu", 1) and not mp._gather_once(False, 1, 4, "cpu", 1)
+        assert memory_facts.gather_once(None, numel, size, "cuda", device) == fsdp.gather_once_fits(numel, size, device, True)
+    assert memory_facts.gather_once(None, 10**12, 4, "cpu", 1) and not memory_facts.gather_once(False, 1, 4, "cpu", 1)
 
 
 def test_sharded_state_is_divided_by_the_world_size():

@@ -14,7 +14,7 @@ from hflow.config_schema import default_section
 from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.flops_counter import device_peak_flops
-from hflow.utils.fsdp_utils import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
+from hflow.workers.fsdp import apply_fsdp2, build_optimizer, default_attn_implementation, load_causal_lm
 from hflow.utils.packing import SDPA_VARLEN
 from hflow.utils.torch_functional import compute_position_id_with_mask, logprobs_from_logits
 from hflow.workers.config import resolved_copy

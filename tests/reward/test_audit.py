@@ -153,6 +153,25 @@ def test_a_reward_that_never_tells_right_from_wrong_fails_naming_the_error(files
     assert "KeyError: 'label'" in capsys.readouterr().err
 
 
+def test_a_reward_that_raises_on_some_responses_fails_the_audit_instead_of_rejecting_them(files, capsys):
+    """Issue 39: a raise is the reward's own failure, not a rejection. Strict on "#### N", it raises on any
+    response longer than 40 characters; counted as rejections those raises passed the audit, and training then
+    stopped at the first long response."""
+    (files / "raises_on_long.py").write_text(STRICT + "\n\n_strict = compute_score\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if len(solution_str) > 40:\n"
+        "        raise ValueError('too long to parse')\n"
+        "    return _strict(data_source, solution_str, ground_truth, extra_info)\n")
+    code, report = audit(files, "--reward", f"{files}/raises_on_long.py")
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert report["errors"] > 0 and "ValueError: too long to parse" in report["first_error"]
+    assert "the reward failed" in err and "too long to parse" in err
+    failing = [family for family in report["families"].values() if family["errors"]]
+    assert failing and all(family["hits"] == 0 for family in failing)  # neither accepted nor rejected
+    assert "ERROR (the reward failed)" in (files / "out" / "reward_audit.md").read_text()
+
+
 def test_max_accept_sets_the_exit_status(files):
     code, report = audit(files, "--reward", f"{files}/planted.py", "--max-accept", "1")
     assert code == 0 and report["failed"] == []

@@ -8,9 +8,23 @@ import pytest
 from hflow.sandbox import Sandbox, SandboxResult
 from hflow.reward.score import SCORERS, default_compute_score
 from hflow.reward.score.code_exec import DATA_SOURCES, compute_score, extract_code
+from tests.sandbox.refusal import allow_unisolated_where_refused, refuse_namespaces
 
 STDIO = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7\n", "5"]}
 CALL = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [[1], [2]]], "outputs": [3, 7, [1, 2]]}
+
+
+@pytest.fixture(autouse=True)
+def _unisolated_where_refused(monkeypatch):
+    allow_unisolated_where_refused(monkeypatch)
+
+
+def test_fails_closed_where_namespaces_are_refused(tmp_path, monkeypatch):
+    # The sandbox refuses (as under Docker's seccomp profile): no test runs, the error says why.
+    refuse_namespaces(monkeypatch, tmp_path)
+    result = compute_score(fenced("print(3)"), json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]}))
+    assert (result["score"], result["passed"]) == (0.0, 0)
+    assert "sandbox_error: the local sandbox cannot isolate model-written code" in result["error"]
 
 
 def fenced(code: str) -> str:

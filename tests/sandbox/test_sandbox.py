@@ -1,8 +1,9 @@
 """LocalSandbox: the escapes a model would try, each contained and reported, with the test process unharmed.
 
-Where a guarantee depends on what the kernel allows (namespaces), the test asks `sandbox_capabilities()`
-and checks the weaker, documented promise when it is not in force; on the development machine (Linux
-6.18, root) everything is in force.
+Where a guarantee depends on what the kernel allows (namespaces), the test asks `sandbox_capabilities()`;
+on the development machine (Linux 6.18, root) everything is in force. The section "namespaces refused"
+runs the same escapes with the launcher under a seccomp filter that makes unshare(2) fail with EPERM, as
+Docker's default profile does (`no_namespaces.py`): the sandbox must refuse them, not run them unisolated.
 """
 
 import json
@@ -21,15 +22,20 @@ from pathlib import Path
 import pytest
 
 from hflow.sandbox import (
+    ALLOW_UNISOLATED_ENV,
     LocalSandbox,
     RemoteSandbox,
     SandboxLimits,
     SandboxResult,
+    SandboxUnavailable,
     make_sandbox,
+    require_isolation,
     run_code,
     sandbox_capabilities,
 )
-from hflow.sandbox import local
+from hflow.sandbox import isolation, local
+from tests.sandbox import no_namespaces
+from tests.sandbox.refusal import refuse_namespaces
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(cpu_time_s=2, wall_time_s=3, memory_mb=256, max_processes=8)
@@ -39,6 +45,15 @@ SLACK_S = 2.5  # killing and reaping after a limit, on a busy 2-core machine
 @pytest.fixture(scope="module")
 def caps():
     return sandbox_capabilities()
+
+
+@pytest.fixture(autouse=True)
+def unisolated_where_refused(caps, monkeypatch):
+    """On a machine that refuses namespaces every run is refused (fail closed); there the tests of the
+    documented weaker promises run with allow_unisolated (from the environment). The tests of the refusal
+    itself clear it."""
+    if isolation.missing_isolation(caps):
+        monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
 
 
 @pytest.fixture(autouse=True)
@@ -375,6 +390,8 @@ def test_namespaces_are_used_where_the_os_allows_them(caps):
 
 
 def test_code_has_no_capabilities(caps):
+    if not caps["user_namespace"]:
+        pytest.skip("without a user namespace the code keeps this user's capabilities (documented)")
     result = run("print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
     assert result.stdout.strip() == "0000000000000000"
 
@@ -434,20 +451,174 @@ run_code("import time; time.sleep(60)", limits=SandboxLimits(wall_time_s=60))
     assert processes_mentioning(str(own_tmpdir)) == []
 
 
-def test_without_namespaces_the_rest_still_holds(monkeypatch, own_tmpdir):
-    # What a machine that refuses namespaces gets: rlimits, wall time, env, fresh dir; network_isolated False.
-    monkeypatch.setattr(local, "_NAMESPACES", False)
-    result = run("import os; print(sorted(os.environ))")
-    assert result.status == "ok" and result.network_isolated is False and "HOME" in result.stdout
-    assert run("x = bytearray(10 * 2**30)").limit_hit == "memory"
-    assert run("import time; time.sleep(60)", SandboxLimits(wall_time_s=1)).limit_hit == "wall_time"
-    assert run("import hflow").status == "error"
-    assert processes_mentioning(str(own_tmpdir)) == []
-
-
 def test_unsupported_language_is_a_usage_error():
     with pytest.raises(ValueError, match="language='python'"):
         LocalSandbox().run("console.log(1)", language="javascript")
+
+
+# ---- namespaces refused: fail closed -------------------------------------------------------------
+
+needs_seccomp = pytest.mark.skipif(not no_namespaces.supported(), reason="the seccomp wrapper knows x86_64 and aarch64")
+
+
+@pytest.fixture
+def refused(request, tmp_path_factory, monkeypatch):
+    """The sandbox's launcher runs under a seccomp filter that makes unshare(2) fail with EPERM (as under
+    Docker's default profile; `request.param` "all", or "mount_pid": only the mount and pid namespaces
+    refused). Nothing else changes: the launcher asks and the kernel says no."""
+    mode = getattr(request, "param", "all")
+    refuse_namespaces(monkeypatch, tmp_path_factory.mktemp("wrapper"), mode)
+    return mode
+
+
+MISSING = {  # what each refusal leaves out, in REQUIRED_ISOLATION's order
+    "all": ["user_namespace", "network_namespace", "filesystem_readonly", "proc_isolated"],
+    "mount_pid": ["filesystem_readonly", "proc_isolated"],
+}
+
+
+def escapes(outside: Path, port: int) -> dict[str, str]:
+    """The isolation tests' escapes, each also leaving a mark (a file outside) if the code ran at all."""
+    mark = f"open({str(outside / 'ran')!r} + __name__, 'w').write('ran')\n"
+    return {
+        "write_outside": mark + f"open({str(outside / 'escaped.txt')!r}, 'w').write('escaped')",
+        "read_host_environ": mark + textwrap.dedent("""
+            import os
+            for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+                try:
+                    if b"s3cr3t-value" in open(f"/proc/{pid}/environ", "rb").read():
+                        print("found", pid)
+                except OSError:
+                    pass
+            """),
+        "connect_localhost": mark + CONNECT.format(port=port),
+        "setsid_daemon": mark + "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)",
+        "kill_supervisor": mark + "import os, signal\nos.killpg(0, signal.SIGKILL)",
+    }
+
+
+@needs_seccomp
+@pytest.mark.parametrize("refused", ["all", "mount_pid"], indirect=True)
+def test_escapes_with_namespaces_refused_are_refused_not_run(refused, own_tmpdir, tmp_path_factory, tcp_server,
+                                                            monkeypatch):
+    monkeypatch.setenv("HFLOW_SANDBOX_TEST_SECRET", "s3cr3t-value")
+    outside = tmp_path_factory.mktemp("outside")
+    port, accepted = tcp_server
+    for name, code in escapes(outside, port).items():
+        result = run(code)
+        assert (result.status, result.exit_code, result.stdout) == ("sandbox_error", None, ""), (name, result)
+        assert result.stderr.startswith("the local sandbox cannot isolate model-written code"), (name, result)
+        for key in MISSING[refused]:
+            assert isolation.REQUIRED_ISOLATION[key] in result.stderr, (name, key)
+        assert "Sandbox Fusion" in result.stderr and "privileged container" in result.stderr
+        assert "sandbox.allow_unisolated=true" in result.stderr
+        assert list(outside.iterdir()) == [], name  # not even the first line ran
+    assert accepted == [] and processes_mentioning(str(own_tmpdir)) == []
+    assert list(own_tmpdir.iterdir()) == []  # work dirs removed
+
+
+@needs_seccomp
+@pytest.mark.parametrize("refused", ["all", "mount_pid"], indirect=True)
+def test_allow_unisolated_runs_with_a_warning(refused, own_tmpdir, tcp_server, capsys):
+    # What a machine that refuses namespaces gets when the user accepts it: the code runs, warned once
+    # per process; rlimits, wall time, env and the fresh dir still hold.
+    port, accepted = tcp_server
+    result = LocalSandbox(LIMITS, allow_unisolated=True).run(CONNECT.format(port=port))
+    # mount_pid leaves the network namespace (unless the machine refuses all of them anyway)
+    assert result.status == "ok" and result.network_isolated is sandbox_capabilities()["network_namespace"]
+    assert result.stdout.startswith("failed" if result.network_isolated else "connected")
+    assert (accepted == []) is result.network_isolated
+    warning = capsys.readouterr().err
+    assert "WARNING: model-written code runs WITHOUT isolation" in warning
+    assert all(isolation.REQUIRED_ISOLATION[key] in warning for key in MISSING[refused])
+    sandbox = LocalSandbox(SandboxLimits(wall_time_s=1), allow_unisolated=True)
+    assert sandbox.run("import os; print(sorted(os.environ))").stdout.count("HOME") == 1
+    assert sandbox.run("x = bytearray(10 * 2**30)").limit_hit == "memory"
+    assert sandbox.run("import time; time.sleep(60)").limit_hit == "wall_time"
+    assert sandbox.run("import hflow").status == "error"
+    assert capsys.readouterr().err == ""  # once per process
+    assert processes_mentioning(str(own_tmpdir)) == []
+
+
+@needs_seccomp
+def test_allow_unisolated_from_the_environment(refused, monkeypatch):
+    # How a trainer's decision reaches the sandboxes of its scoring and rollout processes.
+    assert LocalSandbox(LIMITS).run("print(1)").status == "sandbox_error"
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
+    assert LocalSandbox(LIMITS).run("print(1)").stdout == "1\n"
+    assert LocalSandbox(LIMITS, allow_unisolated=False).run("print(1)").status == "sandbox_error"
+
+
+@needs_seccomp
+def test_network_true_does_not_need_the_network_namespace(refused):
+    result = run("print(1)", SandboxLimits(network=True))
+    assert result.status == "sandbox_error"
+    assert isolation.REQUIRED_ISOLATION["network_namespace"] not in result.stderr
+    assert isolation.REQUIRED_ISOLATION["filesystem_readonly"] in result.stderr
+
+
+@needs_seccomp
+def test_isolation_lost_after_preflight_refuses_the_run(caps, tmp_path, monkeypatch):
+    # Isolated at preflight (measured, cached), refused at the run: the run is refused, never unisolated.
+    if isolation.missing_isolation(caps):
+        pytest.skip("this machine refuses namespaces already at preflight")
+    monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+    report = require_isolation({"the python tool": LocalSandbox(LIMITS)})
+    assert report.unisolated == {} and report.warning is None
+    wrapper = no_namespaces.launcher_wrapper(tmp_path, local._LAUNCHER)
+    monkeypatch.setattr(local, "_LAUNCHER", str(wrapper))
+    marker = tmp_path / "ran"
+    result = run(f"open({str(marker)!r}, 'w').write('x')")
+    assert result.status == "sandbox_error" and "cannot isolate" in result.stderr and not marker.exists()
+
+
+@needs_seccomp
+def test_require_isolation_fails_closed(refused, tmp_path, capsys):
+    sandboxes = {"the python tool 'python' (tools[0] of tools.yaml)": LocalSandbox(),
+                 "code rewards (data_source 'apps')": LocalSandbox()}
+    with pytest.raises(SandboxUnavailable) as caught:
+        require_isolation(sandboxes)
+    message = str(caught.value)
+    assert "the python tool 'python' (tools[0] of tools.yaml); code rewards (data_source 'apps')" in message
+    assert all(isolation.REQUIRED_ISOLATION[key] in message for key in MISSING["all"])
+    assert "backend: remote, url:" in message and "privileged container" in message
+    assert "sandbox.allow_unisolated=true" in message
+    assert os.environ[ALLOW_UNISOLATED_ENV] == "0"  # not switched on for the processes started later
+    # A sandbox that allows it itself passes; the other still stops the run.
+    with pytest.raises(SandboxUnavailable, match="code rewards"):
+        require_isolation({"tool": LocalSandbox(allow_unisolated=True), "code rewards": LocalSandbox()})
+
+
+@needs_seccomp
+def test_require_isolation_allowed_warns_and_records(refused, tmp_path, capsys):
+    report = require_isolation({"code rewards": LocalSandbox()}, allow_unisolated=True)
+    assert report.unisolated == {"code rewards": MISSING["all"]}
+    assert "WARNING" in capsys.readouterr().err and "code rewards" in report.warning
+    assert os.environ[ALLOW_UNISOLATED_ENV] == "1"  # the processes started from here on inherit it
+    from hflow.sandbox import sandbox_env
+
+    assert sandbox_env() == {ALLOW_UNISOLATED_ENV: "1"}
+    require_isolation({"code rewards": LocalSandbox()}, allow_unisolated=True)
+    assert "WARNING" in capsys.readouterr().err  # at every start, not once per process
+    path = report.record(tmp_path / "logs")
+    line = json.loads(path.read_text())
+    assert path.name == "sandbox.jsonl" and line["allow_unisolated"] is True and line["isolated"] is False
+    assert line["unisolated"] == {"code rewards": MISSING["all"]} and line["sandboxes"] == {"code rewards": "local"}
+
+
+def test_require_isolation_passes_where_isolated_and_checks_remote(caps, tmp_path):
+    if not all(caps[key] for key in isolation.REQUIRED_ISOLATION):
+        pytest.skip("this machine refuses namespaces")
+    report = require_isolation({"tool": LocalSandbox()})
+    assert report.unisolated == {} and report.record(tmp_path) is not None
+    assert require_isolation({}).record(tmp_path / "none") is None and not (tmp_path / "none").exists()
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/run_code"
+    start = time.monotonic()
+    with pytest.raises(SandboxUnavailable, match=r"remote sandbox http://127.0.0.1:\d+/run_code \(tool\) did not"):
+        require_isolation({"tool": RemoteSandbox(url, max_retries=5)})
+    assert time.monotonic() - start < 5  # one try, not the run's retries
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -461,6 +632,8 @@ def test_make_sandbox():
     remote = make_sandbox({"backend": "remote", "url": "http://h:8080/run_code", "wall_time_s": 7, "max_retries": 1})
     assert isinstance(remote, RemoteSandbox) and remote.limits.wall_time_s == 7 and remote.timeout_s == 17
     assert remote.max_retries == 1
+    assert make_sandbox().allow_unisolated is None  # None: the environment decides, unset = refuse
+    assert make_sandbox({"allow_unisolated": True}).allows_unisolated() is True
 
 
 @pytest.mark.parametrize(
@@ -474,6 +647,8 @@ def test_make_sandbox():
         ({"max_processes": 2.5}, "give a whole number"),
         ({"network": "yes"}, "give true or false"),
         ({"backend": "remote", "url": "h:8080"}, "full http"),
+        ({"allow_unisolated": "yes"}, "allow_unisolated='yes'; give true or false"),
+        ({"backend": "remote", "url": "http://h/run_code", "allow_unisolated": True}, "backend='local' only"),
     ],
 )
 def test_make_sandbox_rejects_bad_config(config, message):
@@ -494,7 +669,8 @@ def test_cli_runs_a_file_and_prints_json(tmp_path):
     program, given = tmp_path / "prog.py", tmp_path / "in.txt"
     program.write_text("print(input()[::-1])\nimport time\ntime.sleep(60)\n")
     given.write_text("abc\n")
-    done = cli(str(program), "--stdin", str(given), "--wall-time-s", "1", "--memory-mb", "256")
+    unisolated = ["--allow-unisolated"] if isolation.missing_isolation(sandbox_capabilities()) else []
+    done = cli(str(program), "--stdin", str(given), "--wall-time-s", "1", "--memory-mb", "256", *unisolated)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["stdout"] == "cba\n" and result["limit_hit"] == "wall_time" and result["status"] == "limit"
@@ -506,3 +682,28 @@ def test_cli_bad_usage(tmp_path):
     (tmp_path / "p.py").write_text("pass")
     done = cli(str(tmp_path / "p.py"), "--max-processes", "0")
     assert done.returncode == 2 and "max_processes=0" in done.stderr
+
+
+@needs_seccomp
+def test_cli_refuses_without_namespaces_unless_allowed(tmp_path):
+    program, marker = tmp_path / "prog.py", tmp_path / "ran"
+    program.write_text(f"open({str(marker)!r}, 'w').write('x')\nprint('ran')\n")
+    under_docker = [sys.executable, no_namespaces.__file__, "all", sys.executable, "-m", "hflow.sandbox", str(program)]
+    done = subprocess.run(under_docker, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == 1 and not marker.exists()
+    assert done.stderr.startswith("python -m hflow.sandbox: error: the local sandbox cannot isolate")
+    assert "--url http://HOST:8080/run_code" in done.stderr and "--allow-unisolated" in done.stderr
+    assert json.loads(done.stdout)["status"] == "sandbox_error"
+    done = subprocess.run([*under_docker, "--allow-unisolated"], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=60)
+    assert done.returncode == 0 and json.loads(done.stdout)["stdout"] == "ran\n" and marker.exists()
+    assert "WARNING: model-written code runs WITHOUT isolation" in done.stderr
+
+
+def test_require_isolation_when_nothing_runs(monkeypatch):
+    def broken():
+        raise RuntimeError("the local sandbox cannot run a trivial program here: no fork")
+
+    monkeypatch.setattr(local, "_measure_capabilities", broken)
+    with pytest.raises(SandboxUnavailable, match=r"cannot run a trivial program here: no fork \(the python tool\)"):
+        require_isolation({"the python tool": LocalSandbox()})

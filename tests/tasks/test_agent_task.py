@@ -20,9 +20,10 @@ import yaml
 
 from hflow.agent.chat import ToolMessageEncoder
 from hflow.tasks import agent_task as at
+from hflow.tasks import assets
 from hflow.tasks import builtin_task as bt
 from hflow.tasks.tiny_models import VLLM_CPU_HEAD_SIZES, build_tokenizer
-from hflow.utils.reward_score.arithmetic import compute_score
+from hflow.reward.score.arithmetic import compute_score
 from tests.conftest import REPO_ROOT
 from tests.tasks.test_builtin_task import _hashes, _mtimes
 
@@ -161,9 +162,9 @@ def test_model_and_info_file(quick_assets, tokenizer):
                                        "answer_copy_rate", "greedy_acc_no_tools", "greedy_acc_with_tools"}
     root = Path(quick_assets.root)
     assert info["sha256"] == {k: v for k, v in _hashes(quick_assets.root).items()
-                              if k not in (at.INFO_NAME, bt.MARKER_NAME)}
+                              if k not in (at.INFO_NAME, assets.MARKER_NAME)}
     assert {"model/model.safetensors", "data/train.parquet", "tools.yaml"} <= set(info["sha256"])
-    assert (root / bt.MARKER_NAME).read_text() == at._marker_text(QUICK)
+    assert (root / assets.MARKER_NAME).read_text() == at._marker_text(QUICK)
 
 
 def test_default_spec_is_valid():
@@ -198,7 +199,7 @@ def test_cache_reuse_marker_and_failed_build(quick_assets, tmp_path, monkeypatch
     # No marker (a build that died before its last write): rebuilt, to the same bytes.
     (tmp_path / "ok").mkdir()
     copy = Path(at.ensure_agent_assets(tmp_path / "ok", spec=QUICK).root)
-    (copy / bt.MARKER_NAME).unlink()
+    (copy / assets.MARKER_NAME).unlink()
     (copy / "model" / "model.safetensors").write_bytes(b"half-written")
     assert at.ensure_agent_assets(tmp_path / "ok", spec=QUICK).root == str(copy)
     assert _hashes(str(copy)) == _hashes(quick_assets.root)
@@ -230,7 +231,7 @@ def test_concurrent_first_calls_build_once(tmp_path, monkeypatch):
 
 def test_fresh_process_build_and_command_line(quick_assets, tmp_path, monkeypatch):
     # Where torch cannot be pinned to one thread in this process, the model trains in a fresh one: same bytes.
-    monkeypatch.setattr(bt, "_can_pin_one_thread", lambda: False)
+    monkeypatch.setattr(assets, "can_pin_one_thread", lambda: False)
     other = at.ensure_agent_assets(tmp_path, spec=QUICK)
     assert _hashes(other.root) == _hashes(quick_assets.root)
     out = subprocess.run(
@@ -245,8 +246,8 @@ def test_fresh_process_build_and_command_line(quick_assets, tmp_path, monkeypatc
 
 def test_default_assets_meet_the_targets():
     """The default pre-trained model is what GRPO needs (built into the cache if missing: ~1.5 min)."""
-    assets = at.ensure_agent_assets()
-    base = json.loads(Path(assets.info_file).read_text())["base_model"]
+    default = at.ensure_agent_assets()
+    base = json.loads(Path(default.info_file).read_text())["base_model"]
     assert 0.2 <= base["tool_call_prob_t1"] <= 0.35 and 0.2 <= base["tool_call_rate_t1"] <= 0.35, base
     assert base["expression_copy_rate"] >= 0.95 and base["call_exact_rate"] >= 0.95, base
     assert base["answer_copy_rate"] >= 0.95, base

@@ -14,9 +14,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from hflow.tasks import assets
 from hflow.tasks import builtin_task as bt
-from hflow.utils.reward_score.arithmetic import compute_score
+from hflow.reward.score.arithmetic import compute_score
 from hflow.tasks.tiny_models import VLLM_CPU_HEAD_SIZES
+from hflow.utils.cache import default_cache_root
 
 QUICK = bt.QUICK_SPEC
 
@@ -28,7 +30,7 @@ def quick_assets(tmp_path_factory) -> bt.BuiltinAssets:
 
 def _hashes(folder: str) -> dict[str, str]:
     root = Path(folder)
-    return {str(p.relative_to(root)): bt._sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): assets.sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _mtimes(folder: str) -> dict[str, int]:
@@ -142,7 +144,8 @@ def test_info_file(quick_assets):
     assert info["version"] == bt.VERSION and info["spec"] == no_hedges
     assert (info["num_train"], info["num_val"]) == (115, 40)
     assert set(info["base_model"]) >= {"greedy_acc_val", "greedy_acc_train"}
-    assert info["sha256"]["model/model.safetensors"] == bt._sha256(Path(quick_assets.model_path) / "model.safetensors")
+    weights = Path(quick_assets.model_path) / "model.safetensors"
+    assert info["sha256"]["model/model.safetensors"] == assets.sha256_file(weights)
 
 
 # ------------------------------------------------------------------------------ the cache
@@ -157,7 +160,7 @@ def test_generation_is_deterministic(quick_assets, tmp_path):
         "data/train.parquet",
         "data/val.parquet",
         "model/model.safetensors",
-        bt.MARKER_NAME,
+        assets.MARKER_NAME,
     } <= set(a)
 
 
@@ -178,7 +181,7 @@ def test_incomplete_cache_is_rebuilt(quick_assets, tmp_path):
     first = bt.ensure_builtin_assets(tmp_path, spec=QUICK)  # the copy is complete: used as it is
     assert first.root == str(tmp_path / Path(quick_assets.root).name)
     hashes = _hashes(first.root)
-    marker = Path(first.root) / bt.MARKER_NAME
+    marker = Path(first.root) / assets.MARKER_NAME
     marker.unlink()  # as if the build had died before its last write
     (Path(first.root) / "model" / "model.safetensors").write_bytes(b"half-written")
     rebuilt = bt.ensure_builtin_assets(tmp_path, spec=QUICK)
@@ -230,18 +233,18 @@ def test_concurrent_first_calls_build_once(tmp_path, monkeypatch):
 
 def test_cache_root_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("HFLOW_CACHE", str(tmp_path / "hf"))
-    assert bt.default_cache_root() == tmp_path / "hf"
+    assert default_cache_root() == tmp_path / "hf"
     monkeypatch.delenv("HFLOW_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert bt.default_cache_root() == tmp_path / "xdg" / "hflow"
+    assert default_cache_root() == tmp_path / "xdg" / "hflow"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert bt.default_cache_root() == Path.home() / ".cache" / "hflow"
+    assert default_cache_root() == Path.home() / ".cache" / "hflow"
     assert os.path.basename(bt._folder_name(bt.DEFAULT_SPEC)) == "builtin-v1"
 
 
 def test_fresh_process_build_matches(quick_assets, tmp_path, monkeypatch):
     # Where torch.set_num_threads is disabled (an in-process vLLM engine does that), the model is trained
     # in a fresh interpreter instead; the bytes must not depend on which path ran.
-    monkeypatch.setattr(bt, "_can_pin_one_thread", lambda: False)
+    monkeypatch.setattr(assets, "can_pin_one_thread", lambda: False)
     other = bt.ensure_builtin_assets(tmp_path, spec=QUICK)
     assert _hashes(other.root) == _hashes(quick_assets.root)

@@ -19,8 +19,8 @@ import pytest
 
 from hflow.tasks.builtin_task import builtin_problems, split_problems
 from hflow.tasks.rlhf_task import PAIR_KINDS, STYLES, ensure_rlhf_task_data
-from hflow.utils.reward_score import default_compute_score
-from hflow.utils.reward_score.answer_style import HOUSE_STYLE, compute_score, parse
+from hflow.reward.score import default_compute_score
+from hflow.reward.score.answer_style import HOUSE_STYLE, compute_score, parse
 
 PIPELINE = Path(__file__).resolve().parents[2] / "examples" / "rlhf_pipeline"
 

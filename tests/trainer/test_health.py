@@ -23,7 +23,7 @@ from hflow import CONFIG_DIR
 from hflow.trainer.main_ppo import run_ppo
 from hflow.trainer.ppo.health import (HealthWatch, UnhealthyRun, check_health_config, faults_at, poison_scores,
                                       zero_advantage_group_frac)
-from hflow.utils.snapshot import HostSnapshot
+from hflow.workers.fsdp.snapshot import HostSnapshot
 from tests.trainer.learning import VAL_KEY
 
 STEPS = 7

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from hflow.algorithms import core_algos
 from hflow.config_schema import ConfigError, default_config
 from hflow.protocol import DataProto
+from hflow.utils.torch_functional import last_valid_index
 from hflow.reward import shaping as reward_shaping
 from hflow.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty
 from hflow.trainer.preflight import check_reward_shaping

@@ -143,7 +143,7 @@ def test_preflight_accepts():
 def test_actor_applies_the_weights_column(tmp_path):
     """The actor reads `rollout_is_weights` when present: weights of 2 double the loss and the gradient, and
     row-dependent weights follow their rows through any micro-batching (dynamic batching reorders rows)."""
-    from hflow.utils.fsdp_utils import load_causal_lm
+    from hflow.workers.fsdp import load_causal_lm
     from hflow.workers.actor import DataParallelPPOActor
     from tests.workers.test_dp_actor import actor_config, add_old_log_probs, build_model_dir, make_batch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hflow.utils import device
-from hflow.utils.fsdp_utils import default_mixed_precision
+from hflow.workers.fsdp import default_mixed_precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
-from hflow.utils.fsdp_utils import load_causal_lm
+from hflow.workers.fsdp import load_causal_lm
 from hflow.workers.seqlen_balancing import rearrange_micro_batches
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
@@ -230,7 +230,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, workdir: 
     import torch.distributed as dist
 
     from hflow.utils.device import dist_backend
-    from hflow.utils.fsdp_utils import apply_fsdp2, build_device_mesh, iter_full_params
+    from hflow.workers.fsdp import apply_fsdp2, build_device_mesh, iter_full_params
 
     # a collective that one rank skips fails the test within a minute instead of hanging it
     dist.init_process_group(dist_backend(), rank=rank, world_size=world_size, timeout=timedelta(seconds=60))

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
-from hflow.utils.fsdp_utils import build_optimizer, load_value_model
+from hflow.workers.fsdp import build_optimizer, load_value_model
 from hflow.workers.seqlen_balancing import rearrange_micro_batches
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.critic import DataParallelPPOCritic

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from hflow.config_schema import default_config
 from hflow.tasks.tiny_models import build_causal_lm
-from hflow.utils.fsdp_utils import apply_fsdp2, load_reward_model, load_value_model
+from hflow.workers.fsdp import apply_fsdp2, load_reward_model, load_value_model
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.config import resolved_copy
 from hflow.workers.critic.dp_critic import DataParallelPPOCritic

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from hflow.config_schema import ConfigError
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
-from hflow.utils import fsdp_utils
+from hflow.workers import fsdp
 from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
@@ -72,7 +72,7 @@ def train_one_step(worker: ActorRolloutRefWorker, seed: int = 0) -> DataProto:
 
 
 def merged(model) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in fsdp_utils.iter_full_params(model)}
+    return {name: tensor.clone() for name, tensor in fsdp.iter_full_params(model)}
 
 
 @pytest.fixture()
@@ -107,10 +107,10 @@ def test_frozen_weights_get_no_gradient_and_no_optimizer_state(worker):
 def test_actor_lora_linears_add_in_place(worker):
     from peft.tuners.lora import layer as lora_layer
 
-    from hflow.workers.lora import _fast_class
+    from hflow.workers.fsdp.lora import fast_linear_class
 
     linears = [m for m in worker.actor_module.modules() if isinstance(m, lora_layer.Linear)]
-    assert linears and all(type(m) is _fast_class(lora_layer.Linear) for m in linears)
+    assert linears and all(type(m) is fast_linear_class(lora_layer.Linear) for m in linears)
 
 
 def test_in_place_lora_forward_allocates_no_output_sized_temporaries(model_path):
@@ -119,10 +119,10 @@ def test_in_place_lora_forward_allocates_no_output_sized_temporaries(model_path)
     from peft.tuners.lora import layer as lora_layer
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hflow.workers.lora import add_lora
+    from hflow.workers.fsdp.lora import add_lora
 
     torch.manual_seed(0)
-    model = add_lora(fsdp_utils.load_causal_lm(model_path), RANK, ALPHA)
+    model = add_lora(fsdp.load_causal_lm(model_path), RANK, ALPHA)
     layer = next(m for m in model.modules() if isinstance(m, lora_layer.Linear))
     with torch.no_grad():
         for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
@@ -165,7 +165,7 @@ def test_in_place_lora_forward_allocates_no_output_sized_temporaries(model_path)
 def test_merged_weights_are_peft_merge_and_unload_under_the_base_names(model_path, world_of_one):
     def lora_model():
         torch.manual_seed(0)
-        model = fsdp_utils.apply_lora(fsdp_utils.load_causal_lm(model_path), RANK, ALPHA)
+        model = fsdp.apply_lora(fsdp.load_causal_lm(model_path), RANK, ALPHA)
         with torch.no_grad():  # B starts at 0: give it values so that the merge means something
             for name, param in model.named_parameters():
                 if ".lora_B." in name:
@@ -173,12 +173,12 @@ def test_merged_weights_are_peft_merge_and_unload_under_the_base_names(model_pat
         return model
 
     expected = lora_model().merge_and_unload().state_dict()
-    sharded = fsdp_utils.apply_fsdp2(lora_model(), world_of_one)
+    sharded = fsdp.apply_fsdp2(lora_model(), world_of_one)
     weights = merged(sharded)
     base = AutoModelForCausalLM.from_pretrained(model_path)
-    base_names = {name for name, _ in fsdp_utils._named_weights(base)}
+    base_names = {name for name, _ in fsdp.named_weights(base)}
     assert weights.keys() == base_names
-    assert [(n, tuple(s)) for n, s, _ in fsdp_utils.full_param_shapes(sharded)] == [
+    assert [(n, tuple(s)) for n, s, _ in fsdp.full_param_shapes(sharded)] == [
         (n, tuple(t.shape)) for n, t in weights.items()]
     moved = 0.0
     for name, tensor in weights.items():
@@ -194,7 +194,7 @@ def test_reference_is_the_base_model_with_the_adapters_off(worker, model_path):
     ref = worker.compute_ref_log_prob(data).batch["ref_log_prob"]
     actor = worker.compute_log_prob(data).batch["old_log_probs"]
 
-    base = DataParallelPPOActor(OmegaConf.create({}), fsdp_utils.load_causal_lm(model_path))
+    base = DataParallelPPOActor(OmegaConf.create({}), fsdp.load_causal_lm(model_path))
     data.meta_info.update(micro_batch_size=4, temperature=1.0)
     expected, _ = base.compute_log_prob(data)
     torch.testing.assert_close(ref, expected, atol=1e-5, rtol=0)

@@ -219,7 +219,7 @@ def test_tool_tokens_get_exactly_zero_gradient(vllm_rollout, tiny_tokenizer, tin
     """(a) The actor's log-probs of a real episode batch equal the sampler's; (b) one PPO update with entropy bonus and KL loss on a real episode batch: the gradient reaching
     the logits that predict tool tokens is exactly zero, the sampled tokens' is not."""
     from tests.workers.test_dp_actor import actor_config
-    from hflow.utils.fsdp_utils import load_causal_lm
+    from hflow.workers.fsdp import load_causal_lm
     from hflow.workers.actor import DataParallelPPOActor
 
     model = end_turns_often(load_causal_lm(str(tiny_model_dir)), tiny_tokenizer)

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hflow.config_schema import default_config
 from hflow.protocol import DataProto
-from hflow.utils.fsdp_utils import load_causal_lm, load_value_model
+from hflow.workers.fsdp import load_causal_lm, load_value_model
 from hflow.utils.packing import SDPA_VARLEN, SEQUENCE_BOUNDS, pack_micro_batch
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor

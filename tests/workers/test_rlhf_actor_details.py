@@ -25,10 +25,10 @@ from hflow.config_schema import default_config
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
 from hflow.trainer.preflight import preflight_check
-from hflow.utils.checkpoint import FSDPCheckpointManager
+from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager
 from hflow.utils.dataset.ptx_dataset import PtxSampler
-from hflow.utils.ema import ParamEMA
-from hflow.utils.fsdp_utils import apply_fsdp2, clean_param_name, load_causal_lm, load_value_model
+from hflow.workers.fsdp.ema import ParamEMA
+from hflow.workers.fsdp import apply_fsdp2, clean_param_name, load_causal_lm, load_value_model
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers.actor import DataParallelPPOActor
 from hflow.workers.config import ConfigError, check_value_head, resolved_copy
@@ -186,9 +186,9 @@ def _two_rank_main(rank: int, world_size: int, port: int, model_path: str, ptx_p
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from hflow.utils.checkpoint import save_hf_model
+    from hflow.workers.fsdp.checkpoint import save_hf_model
     from hflow.utils.device import dist_backend
-    from hflow.utils.fsdp_utils import build_device_mesh, iter_full_params
+    from hflow.workers.fsdp import build_device_mesh, iter_full_params
 
     dist.init_process_group(dist_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from hflow.protocol import DataProto
 from hflow.trainer.main_ppo import CONFIG_DIR
-from hflow.utils import fsdp_utils
+from hflow.workers import fsdp
 from hflow.tasks.tiny_models import build_causal_lm
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.workers import fsdp_workers
@@ -63,16 +63,16 @@ def make_batch(n: int = 2, seed: int = 0) -> DataProto:
 
 @pytest.fixture()
 def offload_calls(monkeypatch) -> list[tuple[str, torch.nn.Module]]:
-    """(event, module) for every parameter onload / offload the workers ask of `fsdp_utils`."""
+    """(event, module) for every parameter onload / offload the workers ask of `hflow.workers.fsdp`."""
     calls = []
     for event, name in (("onload", "load_fsdp_model_to_device"), ("offload", "offload_fsdp_model_to_cpu")):
-        original = getattr(fsdp_utils, name)
+        original = getattr(fsdp, name)
 
         def record(module, *args, _event=event, _original=original, **kwargs):
             calls.append((_event, module))
             return _original(module, *args, **kwargs)
 
-        monkeypatch.setattr(fsdp_utils, name, record)
+        monkeypatch.setattr(fsdp, name, record)
     return calls
 
 
@@ -148,7 +148,7 @@ def test_offload_policy_and_gather_once_reach_the_sharding(model_path, world_of_
     """`offload_policy` reaches both `apply_fsdp2` and `weights_from_rank0` (which must agree on where the
     shards live); `gather_once_per_pass` arrives as given, null (decided by size and device) by default."""
     requested, loading = [], []
-    apply_fsdp2, weights_from_rank0 = fsdp_utils.apply_fsdp2, fsdp_utils.weights_from_rank0
+    apply_fsdp2, weights_from_rank0 = fsdp.apply_fsdp2, fsdp.weights_from_rank0
 
     def record(*args, cpu_offload=False, gather_once_per_pass="unset", **kwargs):
         requested.append((cpu_offload, gather_once_per_pass))
@@ -159,8 +159,8 @@ def test_offload_policy_and_gather_once_reach_the_sharding(model_path, world_of_
         loading.append(cpu_offload)
         return weights_from_rank0(model, cpu_offload=cpu_offload)
 
-    monkeypatch.setattr(fsdp_utils, "apply_fsdp2", record)
-    monkeypatch.setattr(fsdp_utils, "weights_from_rank0", record_loading)
+    monkeypatch.setattr(fsdp, "apply_fsdp2", record)
+    monkeypatch.setattr(fsdp, "weights_from_rank0", record_loading)
     config = make_config(model_path, "actor_rollout_ref.ref.fsdp_config.offload_policy=true",
                          "critic.model.fsdp_config.offload_policy=true",
                          "actor_rollout_ref.actor.fsdp_config.gather_once_per_pass=false")
@@ -240,4 +240,4 @@ def test_critic_values_are_fp32_under_bf16_mixed_precision(model_path, world_of_
     assert vpreds.dtype == torch.float32 and vpreds.requires_grad
     assert not torch.equal(vpreds.detach(), vpreds.detach().bfloat16().float())
     torch.testing.assert_close(vpreds.detach(), values, atol=0, rtol=0)
-    fsdp_utils.reshard_fsdp_model(worker.critic_module)
+    fsdp.reshard_fsdp_model(worker.critic_module)

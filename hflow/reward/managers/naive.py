@@ -212,14 +212,18 @@ class NaiveRewardManager:
             )
         return data.non_tensor_batch[key]
 
+    def try_calls(self, calls: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]] | str | None]:
+        """Per call, (score, extra keys) or the reason it is unusable (None: not run, an earlier failure
+        stopped the batch): the function or the remote scorer run exactly as for a batch, the results checked
+        by the same rules. What the trainer's preflight tries the reward with (`hflow.reward.probe`)."""
+        return [None if outcome is None else _parse_result(outcome) for outcome in self._outcomes(calls)]
+
     def _score(self, calls: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, Any]], dict[int, str]]:
         """Run every call; per sample its score and extra keys, plus {index: reason} for failures."""
-        outcomes = self._outcomes(calls)
         scores, extras, failures = [0.0] * len(calls), [{} for _ in calls], {}
-        for i, outcome in enumerate(outcomes):
-            if outcome is None:  # not run: an earlier failure stopped the batch
+        for i, parsed in enumerate(self.try_calls(calls)):
+            if parsed is None:  # not run: an earlier failure stopped the batch
                 continue
-            parsed = _parse_result(outcome)
             if isinstance(parsed, str):
                 failures[i] = parsed
             else:
@@ -229,10 +233,12 @@ class NaiveRewardManager:
             where = f"sample {first} (data_source={calls[first]['data_source']!r})"
             reason = _one_line(failures[first])
             if self.on_error == "raise":
+                # A service that does not answer fails every sample: scoring them 0 would train on nothing.
+                advice = (f"check that the scoring service at custom_reward_function.url={self.remote.url} answers"
+                          if self.remote is not None else
+                          "fix the function, or set custom_reward_function.on_error=zero to score such samples 0")
                 raise RewardFunctionError(
-                    f"reward function {self.remote or self.compute_score!r} failed on {where}: {reason}; fix the function, or "
-                    "set custom_reward_function.on_error=zero to score such samples 0"
-                )
+                    f"reward function {self.remote or self.compute_score!r} failed on {where}: {reason}; {advice}")
             print(
                 f"[reward] {len(failures)}/{len(calls)} samples failed and were scored 0 (on_error=zero); "
                 f"first: {where}: {reason}"

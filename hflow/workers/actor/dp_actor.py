@@ -42,12 +42,12 @@ from torch.optim import Optimizer
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
-from hflow.utils.ema import ParamEMA
-from hflow.utils.fsdp_utils import clip_grad_norm_and_step, no_grad_pass
 from hflow.utils.packing import pack_micro_batch
 from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hflow.workers.actor.base import BasePPOActor
+from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass
+from hflow.workers.fsdp.ema import ParamEMA
 
 __all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
 

@@ -1,6 +1,6 @@
 """The PPO critic on a data-parallel (FSDP2) value model: values of response states and the value update.
 
-The value model (`fsdp_utils.load_value_model`) outputs one scalar per position; V at position t is
+The value model (`fsdp.load_value_model`) outputs one scalar per position; V at position t is
 the value of the state after reading token t, so the state before response token j is position
 T-L-1+j, the same window the actor scores. Values are zero outside the response mask, which is also
 what the loss counts, so advantages (GAE) and the value loss see the same tokens. With
@@ -24,12 +24,12 @@ from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, compute_value_loss
-from hflow.utils.fsdp_utils import clip_grad_norm_and_step, no_grad_pass
 from hflow.utils.packing import pack_micro_batch
 from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.torch_functional import masked_mean
 from hflow.workers.actor.dp_actor import StepMetrics, response_mask_of
 from hflow.workers.critic.base import BasePPOCritic
+from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass
 
 __all__ = ["DataParallelPPOCritic"]
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.protocol import DataProto, all_gather_data_proto
 from hflow.utils.device import empty_cache, is_cuda
-from hflow.utils.fsdp_utils import iter_full_params, load_fsdp_model_to_device, offload_fsdp_model_to_cpu
+from hflow.workers.fsdp import iter_full_params, load_fsdp_model_to_device, offload_fsdp_model_to_cpu
 from hflow.workers.sharding_manager.base import BaseShardingManager
 
 if TYPE_CHECKING:

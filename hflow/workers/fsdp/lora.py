@@ -1,4 +1,4 @@
-"""The actor's LoRA adapters: PEFT's wrapping (`fsdp_utils.apply_lora`) with a leaner forward.
+"""The actor's LoRA adapters: PEFT's wrapping (`models.apply_lora`) with a leaner forward.
 
 PEFT's LoRA linear computes ``result = base(x) + lora_B(lora_A(x)) * scaling``: besides the base layer's
 output it allocates three more tensors of the output's size per wrapped linear and call (B's output, its
@@ -20,12 +20,14 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-__all__ = ["add_lora", "in_place_lora_linears"]
+from hflow.workers.fsdp.models import apply_lora
+
+__all__ = ["add_lora", "fast_linear_class", "in_place_lora_linears"]
 
 _FAST_CLASSES: dict[type, type] = {}
 
 
-def _fast_class(peft_linear: type) -> type:
+def fast_linear_class(peft_linear: type) -> type:
     """A subclass of PEFT's LoRA `Linear` with the in-place forward (one per PEFT class)."""
     if peft_linear not in _FAST_CLASSES:
 
@@ -70,16 +72,14 @@ def in_place_lora_linears(model: nn.Module) -> int:
     changed = 0
     for module in model.modules():
         if type(module) is lora_layer.Linear:
-            module.__class__ = _fast_class(lora_layer.Linear)
+            module.__class__ = fast_linear_class(lora_layer.Linear)
             changed += 1
     return changed
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | Iterable[str] = "all-linear") -> nn.Module:
-    """`model` wrapped by PEFT with LoRA adapters (`fsdp_utils.apply_lora`), each wrapped linear with the
+    """`model` wrapped by PEFT with LoRA adapters (`models.apply_lora`), each wrapped linear with the
     in-place forward. Call before FSDP2 sharding, as the actor does."""
-    from hflow.utils import fsdp_utils
-
-    model = fsdp_utils.apply_lora(model, rank, alpha, target_modules)
+    model = apply_lora(model, rank, alpha, target_modules)
     in_place_lora_linears(model)
     return model

@@ -14,389 +14,30 @@ tensors into one byte buffer so that Ray ships it out-of-band, without a copy pe
 from __future__ import annotations
 
 import copy
-import math
 import os
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
-if TYPE_CHECKING:
-    import ray
-    import torch.distributed
-
-__all__ = [
-    "DataProto",
-    "DataProtoConfig",
-    "DataProtoError",
-    "DataProtoFuture",
-    "DataProtoItem",
-    "all_gather_data_proto",
-    "collate_fn",
-    "fold_batch_dim",
-    "list_of_dict_to_dict_of_list",
-    "pad_dataproto_to_divisor",
-    "unfold_batch_dim",
-    "union_numpy_dict",
-    "union_tensor_dict",
-    "unpad_dataproto",
-]
-
-# Tensors start at multiples of this many bytes inside the pickled buffer, so every view is aligned.
-_BUFFER_ALIGNMENT = 64
-
-Index = Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
-
-
-class DataProtoError(ValueError, AssertionError):
-    """Inconsistent DataProto contents.
-
-    Subclasses both ValueError and AssertionError: code ported from verl (which asserts) and code
-    expecting a ValueError both catch it.
-    """
-
-
-class _DataProtoConfigMeta(type):
-    """Gives DataProtoConfig a class-level ``auto_padding`` property that also reads the environment."""
-
-    @property
-    def auto_padding(cls) -> bool:
-        from_env = os.getenv("HFLOW_AUTO_PADDING", "").strip().lower() in ("1", "true")
-        return cls._auto_padding or from_env
-
-    @auto_padding.setter
-    def auto_padding(cls, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"DataProtoConfig.auto_padding must be a bool, got {type(enabled).__name__}")
-        cls._auto_padding = enabled
-
-
-class DataProtoConfig(metaclass=_DataProtoConfigMeta):
-    """Global switches. ``DataProtoConfig.auto_padding = True`` (or env ``HFLOW_AUTO_PADDING=1``) lets
-    uneven batches be padded for dispatch instead of rejected."""
-
-    _auto_padding: bool = False
-    # meta_info key that enables auto padding for one DataProto only.
-    auto_padding_key: str = "_hflow_auto_padding"
-
-
-# --------------------------------------------------------------------------------------------------
-# Module-level helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _to_object_array(key: str, values: Any) -> np.ndarray:
-    """Per-row values as a numpy object array.
-
-    Lists are filled element by element: ``np.array(list_of_equal_length_lists, dtype=object)``
-    would build a 2-D array and lose the per-row lists.
-    """
-    if isinstance(values, np.ndarray):
-        return values.astype(object)
-    if isinstance(values, (list, tuple)):
-        array = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            array[i] = value
-        return array
-    raise DataProtoError(
-        f"non-tensor {key!r} is a {type(values).__name__}; pass a list or numpy array with one entry per row"
-    )
-
-
-def _leaf_items(batch: TensorDict) -> list[tuple[str | tuple[str, ...], torch.Tensor]]:
-    """All tensors of a TensorDict, nested ones under tuple keys, in insertion order."""
-    return [(key, batch.get(key)) for key in batch.keys(include_nested=True, leaves_only=True)]
-
-
-def _tensordict_from_leaves(leaves: dict, batch_size: Sequence[int], device: Any = None) -> TensorDict:
-    """Inverse of `_leaf_items`: rebuilds nesting from tuple keys."""
-    batch = TensorDict({}, batch_size=batch_size, device=device)
-    for key, tensor in leaves.items():
-        batch.set(key, tensor)
-    return batch
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Equality for meta_info values, which may be tensors or arrays (whose ``==`` is elementwise)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(a, b)
-    return bool(a == b)
-
-
-def _numpy_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Array equality judged by pandas, so NaN equals NaN and object arrays compare element by element."""
-    if a.shape != b.shape:
-        return False
-    if a.ndim > 2:
-        a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return pd.DataFrame(a, dtype=object).equals(pd.DataFrame(b, dtype=object))
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Adds the tensors of ``tensor_dict2`` to ``tensor_dict1`` (in place) and returns it.
-
-    A key present in both must hold equal tensors; nothing is changed when any key conflicts.
-    """
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise DataProtoError(
-            f"union: batch sizes differ: {list(tensor_dict1.batch_size)} vs {list(tensor_dict2.batch_size)}; "
-            "only batches with the same rows can be united"
-        )
-    incoming = _leaf_items(tensor_dict2)
-    existing = set(tensor_dict1.keys(include_nested=True, leaves_only=True))
-    for key, tensor in incoming:
-        if key in existing:
-            mine = tensor_dict1.get(key)
-            if mine.shape != tensor.shape or not torch.equal(mine, tensor):
-                raise DataProtoError(
-                    f"union: tensor {key!r} differs between the two batches (shapes {tuple(mine.shape)} and "
-                    f"{tuple(tensor.shape)}); rename or pop one of them before the union"
-                )
-    for key, tensor in incoming:
-        tensor_dict1.set(key, tensor)
-    return tensor_dict1
-
-
-def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Adds the arrays of ``tensor_dict2`` to ``tensor_dict1`` (in place) and returns it.
-
-    A key present in both must hold equal arrays (NaN counts as equal to NaN); nothing is changed when
-    any key conflicts.
-    """
-    for key, array in tensor_dict2.items():
-        if key in tensor_dict1 and not _numpy_equal(tensor_dict1[key], array):
-            raise DataProtoError(
-                f"union: non-tensor {key!r} differs between the two batches (shapes {tensor_dict1[key].shape} "
-                f"and {array.shape}); rename or pop one of them before the union"
-            )
-    tensor_dict1.update(tensor_dict2)
-    return tensor_dict1
-
-
-def list_of_dict_to_dict_of_list(list_of_dict: list[dict]) -> dict[Any, list]:
-    """``[{"a": 1}, {"a": 2, "b": 3}]`` -> ``{"a": [1, 2], "b": [3]}``."""
-    output: dict[Any, list] = {}
-    for item in list_of_dict:
-        for key, value in item.items():
-            output.setdefault(key, []).append(value)
-    return output
-
-
-def _merge_metrics(per_part: list[tuple[int, Any]]) -> dict[str, list]:
-    """Per-rank metrics (dicts, or lists of dicts; values scalars or lists) -> one dict of flat lists."""
-    merged: dict[str, list] = {}
-    for part, metrics in per_part:
-        for entry in metrics if isinstance(metrics, list) else [metrics]:
-            if not isinstance(entry, dict):
-                raise DataProtoError(
-                    f"DataProto.concat: meta_info['metrics'] of part {part} holds a {type(entry).__name__}; "
-                    "metrics must be a dict (or a list of dicts) of metric name -> value(s)"
-                )
-            for name, value in entry.items():
-                if isinstance(value, list):
-                    merged.setdefault(name, []).extend(value)
-                else:
-                    merged.setdefault(name, []).append(value)
-    return merged
-
-
-def _merge_meta_info(metas: list[dict]) -> dict:
-    """Union of meta_info dicts: ``"metrics"`` are merged across parts, every other key must agree."""
-    merged: dict = {}
-    first_seen: dict[str, int] = {}
-    metrics: list[tuple[int, Any]] = []
-    for part, meta in enumerate(metas):
-        for key, value in meta.items():
-            if key == "metrics":
-                metrics.append((part, value))
-            elif key not in merged:
-                merged[key], first_seen[key] = value, part
-            elif not _values_equal(merged[key], value):
-                raise DataProtoError(
-                    f"DataProto.concat: Conflicting values for meta_info key {key!r}: {merged[key]!r} in part "
-                    f"{first_seen[key]} vs {value!r} in part {part}; all parts must agree on meta_info except "
-                    "'metrics' (pop the key before concat if it is per-part)"
-                )
-    if metrics:
-        merged["metrics"] = _merge_metrics(metrics)
-    return merged
-
-
-def _same_keys(kind: str, key_lists: list[list]) -> None:
-    """Raises unless every part of a concat has the same keys."""
-    for part, keys in enumerate(key_lists):
-        if set(keys) != set(key_lists[0]):
-            raise DataProtoError(
-                f"DataProto.concat: part {part} has {kind} keys {sorted(map(str, keys))} but part 0 has "
-                f"{sorted(map(str, key_lists[0]))}; all parts must carry the same keys"
-            )
-
-
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pads ``data`` to a multiple of ``size_divisor`` rows by cycling rows from the start.
-
-    3 rows to divisor 7 appends rows 0, 1, 2, 0. Returns ``(padded, pad_size)``; ``data`` is untouched.
-    """
-    if size_divisor <= 0:
-        raise DataProtoError(f"pad_dataproto_to_divisor: size_divisor must be positive, got {size_divisor}")
-    rows = len(data)
-    if rows % size_divisor == 0:
-        return data, 0
-    pad_size = size_divisor - rows % size_divisor
-    index = torch.cat([torch.arange(rows), torch.arange(pad_size) % rows])
-    return data.select_idxs(index), pad_size
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Drops the last ``pad_size`` rows added by `pad_dataproto_to_divisor`."""
-    return data.slice(0, len(data) - pad_size) if pad_size else data
-
-
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
-    """Reshapes rows ``[n, ...]`` into ``[new_batch_size, n // new_batch_size, ...]``."""
-    rows = len(data)
-    if new_batch_size <= 0 or rows % new_batch_size:
-        raise DataProtoError(f"fold_batch_dim: {rows} rows cannot be folded into {new_batch_size} groups")
-    inner = rows // new_batch_size
-    batch = None
-    if data.batch is not None:
-        batch = data.batch.apply(
-            lambda t: t.reshape(new_batch_size, inner, *t.shape[1:]), batch_size=[new_batch_size]
-        )
-    non_tensors = {k: v.reshape(new_batch_size, inner, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=non_tensors, meta_info=data.meta_info)
-
-
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
-    """Inverse of `fold_batch_dim`: flattens the first ``batch_dims`` dims into the row dim."""
-    columns = [t for _, t in _leaf_items(data.batch)] if data.batch is not None else []
-    columns += list(data.non_tensor_batch.values())
-    if not columns:
-        return data
-    rows = math.prod(columns[0].shape[:batch_dims])
-    batch = None
-    if data.batch is not None:
-        batch = data.batch.apply(lambda t: t.reshape(rows, *t.shape[batch_dims:]), batch_size=[rows])
-    non_tensors = {k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=non_tensors, meta_info=data.meta_info)
-
-
-def collate_fn(x: list[DataProtoItem]) -> DataProto:
-    """Stacks DataProtoItems (rows) back into a DataProto; meta_info comes from the first item."""
-    if not x:
-        raise DataProtoError("collate_fn: got no items; nothing to collate")
-    has_batch = [item.batch is not None for item in x]
-    if any(has_batch) and not all(has_batch):
-        raise DataProtoError("collate_fn: some items have tensors and some do not; items must come from one batch")
-    batch = torch.stack([item.batch for item in x]) if all(has_batch) else None
-    non_tensors = list_of_dict_to_dict_of_list([item.non_tensor_batch for item in x])
-    return DataProto(
-        batch=batch,
-        non_tensor_batch={k: _to_object_array(k, v) for k, v in non_tensors.items()},
-        meta_info=x[0].meta_info,
-    )
-
-
-def _collective_device(process_group: Any) -> torch.device:
-    """gloo gathers CPU tensors; other backends (nccl, ...) gather on the current accelerator."""
-    if torch.distributed.get_backend(process_group) == "gloo":
-        return torch.device("cpu")
-    return torch.accelerator.current_accelerator()
-
-
-def all_gather_data_proto(data: DataProto, process_group: torch.distributed.ProcessGroup) -> None:
-    """Replaces ``data`` (in place) with the concatenation of every rank's ``data``, in rank order.
-
-    All ranks must hold the same keys and shapes.
-    """
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size(group=process_group)
-    if data.batch is not None:
-        device = _collective_device(process_group)
-        gathered = {}
-        # Same key order on every rank, whatever order the batches were built in.
-        for key, local in sorted(_leaf_items(data.batch), key=lambda item: str(item[0])):
-            send = local.to(device).contiguous()
-            parts = [torch.empty_like(send) for _ in range(world_size)]
-            dist.all_gather(parts, send, group=process_group)
-            gathered[key] = torch.cat(parts).to(local.device)
-        data.batch = _tensordict_from_leaves(gathered, [len(data) * world_size], data.batch.device)
-    all_non_tensors: list[dict[str, np.ndarray]] = [{} for _ in range(world_size)]
-    dist.all_gather_object(all_non_tensors, data.non_tensor_batch, group=process_group)
-    data.non_tensor_batch = {
-        key: np.concatenate([rank_data[key] for rank_data in all_non_tensors]) for key in data.non_tensor_batch
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# Serialisation: all tensors of a batch in one byte buffer
-# --------------------------------------------------------------------------------------------------
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _BUFFER_ALIGNMENT) * _BUFFER_ALIGNMENT
-
-
-def _tensor_view(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """The tensor stored at ``offset`` of a uint8 buffer, as a view (no copy)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:  # an empty byte slice cannot be viewed as a wider dtype
-        return torch.empty(shape, dtype=dtype)
-    return buffer[offset : offset + nbytes].view(dtype).view(shape)
-
-
-def _pack_batch(batch: TensorDict) -> dict[str, Any]:
-    """Copies every tensor once into a single uint8 buffer, handed to pickle as a numpy array.
-
-    Pickle protocol 5 (used by Ray) then ships that one buffer out-of-band; a uint8 buffer keeps
-    dtypes numpy lacks (bfloat16).
-    """
-    leaves = _leaf_items(batch)
-    fields = []
-    end = 0
-    for key, tensor in leaves:
-        fields.append((key, tensor.dtype, tuple(tensor.shape), end))
-        end = _aligned(end + tensor.nbytes)
-    buffer = torch.empty(end, dtype=torch.uint8)
-    with torch.no_grad():
-        for (_, tensor), (_, dtype, shape, offset) in zip(leaves, fields):
-            _tensor_view(buffer, dtype, shape, offset).copy_(tensor)
-            # Zero the alignment gap so that equal batches pickle to equal bytes.
-            buffer[offset + tensor.nbytes : _aligned(offset + tensor.nbytes)].zero_()
-    return {
-        "buffer": buffer.numpy(),
-        "fields": fields,
-        "batch_size": tuple(batch.batch_size),
-        "had_device": batch.device is not None,
-    }
-
-
-def _unpack_batch(packed: dict[str, Any]) -> TensorDict:
-    """Rebuilds the TensorDict as views into one buffer (on CPU).
-
-    A read-only buffer (Ray's shared-memory view) is copied once, so the tensors are writable.
-    """
-    array = packed["buffer"]
-    if not array.flags.writeable:
-        array = array.copy()
-    buffer = torch.from_numpy(array)
-    leaves = {key: _tensor_view(buffer, dtype, shape, offset) for key, dtype, shape, offset in packed["fields"]}
-    return _tensordict_from_leaves(leaves, packed["batch_size"], "cpu" if packed["had_device"] else None)
-
-
-# --------------------------------------------------------------------------------------------------
-# DataProto
-# --------------------------------------------------------------------------------------------------
+from hflow.protocol.columns import (
+    DataProtoConfig,
+    DataProtoError,
+    Index,
+    leaf_items,
+    merge_meta_info,
+    same_keys,
+    to_object_array,
+    union_numpy_dict,
+    union_tensor_dict,
+    values_equal,
+)
+from hflow.protocol.wire import pack_batch, unpack_batch
 
 
 @dataclass
@@ -477,7 +118,7 @@ class DataProto:
                     f"{pivot_rows}; all tensors must share dim 0"
                 )
         batch = TensorDict(tensors, batch_size=[pivot_rows]) if tensors else None
-        non_tensor_batch = {key: _to_object_array(key, value) for key, value in (non_tensors or {}).items()}
+        non_tensor_batch = {key: to_object_array(key, value) for key, value in (non_tensors or {}).items()}
         meta_info = dict(meta_info or {})
         if auto_padding:
             meta_info[DataProtoConfig.auto_padding_key] = True
@@ -661,7 +302,7 @@ class DataProto:
                 "rows can be united"
             )
         for key, value in other.meta_info.items():
-            if key in self.meta_info and not _values_equal(self.meta_info[key], value):
+            if key in self.meta_info and not values_equal(self.meta_info[key], value):
                 raise DataProtoError(
                     f"DataProto.union: meta_info {key!r} differs: {self.meta_info[key]!r} vs {value!r}; pop it from "
                     "one side before the union"
@@ -719,15 +360,15 @@ class DataProto:
                     f"DataProto.concat: part {with_batch.index(False)} has no tensors but part "
                     f"{with_batch.index(True)} does; all parts must carry the same keys"
                 )
-            _same_keys("tensor", [list(part.batch.keys(include_nested=True, leaves_only=True)) for part in parts])
+            same_keys("tensor", [list(part.batch.keys(include_nested=True, leaves_only=True)) for part in parts])
             batch = torch.cat([part.batch for part in parts], dim=0)
         non_tensors = {}
         if parts:
-            _same_keys("non-tensor", [list(part.non_tensor_batch) for part in parts])
+            same_keys("non-tensor", [list(part.non_tensor_batch) for part in parts])
             non_tensors = {
                 key: np.concatenate([part.non_tensor_batch[key] for part in parts]) for key in parts[0].non_tensor_batch
             }
-        meta_info = _merge_meta_info([part.meta_info for part in data])
+        meta_info = merge_meta_info([part.meta_info for part in data])
         return type(data[0])(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
 
     # ---- row order and repetition ----------------------------------------------------------------
@@ -806,7 +447,7 @@ class DataProto:
 
     def print_size(self, prefix: str = "") -> None:
         """Prints the memory held by tensors and by numpy arrays (object arrays: pointers only)."""
-        tensors = _leaf_items(self.batch) if self.batch is not None else []
+        tensors = leaf_items(self.batch) if self.batch is not None else []
         tensor_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
         numpy_bytes = sum(value.nbytes for value in self.non_tensor_batch.values())
         print(f"{prefix}batch: {tensor_bytes / 2**30:.3f} GiB, non_tensor_batch: {numpy_bytes / 2**30:.3f} GiB")
@@ -823,70 +464,14 @@ class DataProto:
             return pickle.load(f)
 
     def __getstate__(self) -> dict[str, Any]:
-        """The batch as one packed buffer (see `_pack_batch`); non-tensors and meta_info as they are."""
+        """The batch as one packed buffer (see `pack_batch`); non-tensors and meta_info as they are."""
         return {
-            "batch": _pack_batch(self.batch) if self.batch is not None else None,
+            "batch": pack_batch(self.batch) if self.batch is not None else None,
             "non_tensor_batch": self.non_tensor_batch,
             "meta_info": self.meta_info,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.batch = _unpack_batch(state["batch"]) if state["batch"] is not None else None
+        self.batch = unpack_batch(state["batch"]) if state["batch"] is not None else None
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
-
-
-# --------------------------------------------------------------------------------------------------
-# DataProtoFuture
-# --------------------------------------------------------------------------------------------------
-
-
-def _take_chunk(
-    data: DataProto, chunks: int, index: int, previous: Callable[[DataProto], DataProto] | None
-) -> DataProto:
-    """Chunk ``index`` of ``data`` (after an earlier dispatch_fn, if any)."""
-    if previous is not None:
-        data = previous(data)
-    return data.chunk(chunks)[index]
-
-
-@dataclass
-class DataProtoFuture:
-    """The not-yet-collected output of a non-blocking worker-group call.
-
-    Meant to be passed straight into another worker group's method, which resolves it on the
-    workers: ``get()`` fetches all refs, collects them and applies ``dispatch_fn`` (e.g. take one chunk).
-    """
-
-    collect_fn: Callable[[list[DataProto]], DataProto]
-    futures: list[ray.ObjectRef]
-    dispatch_fn: Callable[[DataProto], DataProto] | None = None
-
-    @staticmethod
-    def concat(data: list[ray.ObjectRef]) -> DataProtoFuture:
-        return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
-
-    def chunk(self, chunks: int) -> list[DataProtoFuture]:
-        """``chunks`` futures over the same refs; future i resolves to chunk i of the collected data."""
-        return [
-            DataProtoFuture(
-                collect_fn=self.collect_fn,
-                futures=self.futures,
-                dispatch_fn=partial(_take_chunk, chunks=chunks, index=i, previous=self.dispatch_fn),
-            )
-            for i in range(chunks)
-        ]
-
-    def get(self) -> DataProto:
-        import ray
-
-        outputs = ray.get(self.futures)
-        for rank, output in enumerate(outputs):
-            if not isinstance(output, DataProto):
-                raise TypeError(
-                    f"DataProtoFuture.get: ref {rank} resolved to a {type(output).__name__}, not a DataProto"
-                )
-        output = self.collect_fn(outputs)
-        if self.dispatch_fn is not None:
-            output = self.dispatch_fn(output)
-        return output

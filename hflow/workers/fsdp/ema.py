@@ -23,13 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hflow.utils import device as device_utils
-from hflow.utils.fsdp_utils import _named_weights, clean_param_name
+from hflow.workers.fsdp.params import clean_param_name, local_tensor, named_weights
 
 __all__ = ["ParamEMA"]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ParamEMA:
@@ -47,12 +43,12 @@ class ParamEMA:
         self.device = device
         self.averages: dict[str, torch.Tensor] = {}
         for name, param in self._params():
-            target = torch.device(device) if device is not None else _local(param).device
-            average = _local(param).detach().to(torch.float32, copy=True)
+            target = torch.device(device) if device is not None else local_tensor(param).device
+            average = local_tensor(param).detach().to(torch.float32, copy=True)
             if isinstance(param, DTensor):
                 average = DTensor.from_local(average, param.device_mesh, param.placements, run_check=False,
                                              shape=param.shape, stride=param.stride())
-            if _local(average).device != target:  # from_local puts host shards on the mesh's device
+            if local_tensor(average).device != target:  # from_local puts host shards on the mesh's device
                 average = average.to(target)
             self.averages[name] = average
 
@@ -64,14 +60,14 @@ class ParamEMA:
     def update(self) -> None:
         """ema = decay * ema + (1 - decay) * param, shard by shard (call after each optimizer step)."""
         for name, param in self._params():
-            average = _local(self.averages[name])
-            average.mul_(self.decay).add_(_local(param).to(average.device, torch.float32), alpha=1.0 - self.decay)
+            average = local_tensor(self.averages[name])
+            average.mul_(self.decay).add_(local_tensor(param).to(average.device, torch.float32), alpha=1.0 - self.decay)
 
     @torch.no_grad()
     def reset(self) -> None:
         """Restart the average at the current weights (a checkpoint written without an EMA)."""
         for name, param in self._params():
-            _local(self.averages[name]).copy_(_local(param))
+            local_tensor(self.averages[name]).copy_(local_tensor(param))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averages themselves (DTensors when sharded): a checkpoint loader fills them in place."""
@@ -84,15 +80,15 @@ class ParamEMA:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}... ({len(missing)} parameters)")
         for name, average in self.averages.items():
             if state[name] is not average:
-                _local(average).copy_(_local(state[name]))
+                local_tensor(average).copy_(local_tensor(state[name]))
 
     @torch.no_grad()
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) as `fsdp_utils.iter_full_params` yields the model's, with the averages in
+        """(HF name, full tensor) as `params.iter_full_params` yields the model's, with the averages in
         place of the parameters, in the parameters' dtype; buffers are the model's. A collective: every
         rank must consume it in the same order."""
         compute_device = device_utils.get_device()
-        for name, tensor in _named_weights(self.model):
+        for name, tensor in named_weights(self.model):
             if name in self.averages:
                 average = self.averages[name]
                 full = average.to(compute_device).full_tensor() if isinstance(average, DTensor) else average

@@ -253,7 +253,7 @@ def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=Non
     """
     from safetensors.torch import save_file
 
-    from hflow.utils.fsdp_utils import iter_full_params
+    from hflow.workers.fsdp.params import iter_full_params
 
     final = Path(path)
     config = getattr(model, "config", None)

@@ -1,11 +1,11 @@
-"""fsdp_utils: model loading (policy and value model), FSDP2 wrapping, full-parameter export, gradient
+"""hflow.workers.fsdp: model loading (policy and value model), FSDP2 wrapping, full-parameter export, gradient
 clipping, offloading, optimizer and LR schedule.
 
 FSDP2 runs here on a process group of one (in this process, on this machine's device); the two-rank
 gather and the global gradient norm are covered by `tests/workers/test_dp_actor.py`, whose two-rank
 run exports its parameters with `iter_full_params` and compares them with a one-process run. On one rank,
 with nothing to cast, `apply_fsdp2` leaves the model plain: the tests of FSDP2's own behaviour here ask it
-to wrap anyway (`apply_fsdp2` below); the tests of that choice call `fsdp_utils.apply_fsdp2`.
+to wrap anyway (`apply_fsdp2` below); the tests of that choice call `fsdp.apply_fsdp2`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from hflow.config_schema import default_config
-from hflow.utils import device, fsdp_utils
-from hflow.utils.fsdp_utils import (
+from hflow.utils import device
+from hflow.workers import fsdp
+from hflow.workers.fsdp import (
     build_device_mesh,
     build_lr_scheduler,
     build_optimizer,
@@ -52,7 +53,7 @@ from tests.ranks import free_port, spawn_ranks
 
 def apply_fsdp2(model, mesh, **kwargs):
     """FSDP2 even on the one-rank mesh of these tests (see the module's docstring)."""
-    return fsdp_utils.apply_fsdp2(model, mesh, fsdp_on_one_rank=True, **kwargs)
+    return fsdp.apply_fsdp2(model, mesh, fsdp_on_one_rank=True, **kwargs)
 
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
@@ -148,7 +149,7 @@ def test_apply_fsdp2_shards_every_decoder_layer_and_the_root(model_dir: Path, me
 
 
 def test_one_rank_with_nothing_to_cast_is_a_plain_module_that_trains_as_fsdp2_does(model_dir: Path, mesh):
-    plain = fsdp_utils.apply_fsdp2(load_causal_lm(str(model_dir)), mesh)  # fp32 weights, fp32 compute
+    plain = fsdp.apply_fsdp2(load_causal_lm(str(model_dir)), mesh)  # fp32 weights, fp32 compute
     assert not isinstance(plain, FSDPModule)
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
     assert {p.device.type for p in plain.parameters()} == {device.get_device().type}
@@ -183,24 +184,24 @@ def test_fsdp2_stays_wherever_it_shards_casts_or_offloads(model_dir: Path, monke
 
     model = load_causal_lm(str(model_dir))
     fp32, bf16 = MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32)
+    assert fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), fp32)
     # a reduce dtype alone casts nothing on one rank: there is no reduction
-    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(reduce_dtype=torch.float32))
-    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(2), fp32)  # shards
-    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), bf16)  # casts the weights
-    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    assert fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    assert not fsdp.nothing_for_fsdp_to_do(model, _Mesh(2), fp32)  # shards
+    assert not fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), bf16)  # casts the weights
+    assert not fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), MixedPrecisionPolicy(output_dtype=torch.bfloat16))
     # a bf16 model's fp32 head (a critic's) is computed in fp32 by FSDP2
     model_bf16 = load_causal_lm(str(model_dir), dtype=torch.bfloat16)
-    assert fsdp_utils.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32)
-    assert not fsdp_utils.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32, fp32_modules=[model_bf16.lm_head])
+    assert fsdp.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32)
+    assert not fsdp.nothing_for_fsdp_to_do(model_bf16, _Mesh(1), fp32, fp32_modules=[model_bf16.lm_head])
     # shards kept on the host of a GPU machine (FSDP2's CPUOffloadPolicy)
     monkeypatch.setattr(device, "is_cuda", lambda: True)
-    assert not fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=True)
-    assert fsdp_utils.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=False)
+    assert not fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=True)
+    assert fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=False)
 
 
 def test_one_rank_that_casts_is_still_wrapped(model_dir: Path, mesh):
-    model = fsdp_utils.apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param_dtype": "bf16"})
+    model = fsdp.apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param_dtype": "bf16"})
     assert isinstance(model, FSDPModule)
 
 
@@ -277,7 +278,7 @@ def test_gather_once_null_counts_the_model_in_its_compute_dtype_and_a_setting_wi
     precision: 2 bytes each) against the device's memory; true or false as given wins."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from hflow.utils.fsdp_utils import _resolve_gather_once
+    from hflow.workers.fsdp import resolve_gather_once
 
     model = load_causal_lm(str(model_dir))
     numel = sum(p.numel() for p in model.parameters())
@@ -286,12 +287,12 @@ def test_gather_once_null_counts_the_model_in_its_compute_dtype_and_a_setting_wi
     # a device of which the bf16 weights take a quarter, or just over
     for memory, fits in [(4 * 2 * numel, True), (4 * 2 * numel - 4, False)]:
         monkeypatch.setattr(device, "total_memory_bytes", lambda memory=memory: memory)
-        assert _resolve_gather_once(model, None, bf16) is fits
-        assert _resolve_gather_once(model, True, bf16) is True
-        assert _resolve_gather_once(model, False, bf16) is False
+        assert resolve_gather_once(model, None, bf16) is fits
+        assert resolve_gather_once(model, True, bf16) is True
+        assert resolve_gather_once(model, False, bf16) is False
     # without mixed precision the fp32 parameters are gathered: twice the bytes
     monkeypatch.setattr(device, "total_memory_bytes", lambda: 4 * 2 * numel)
-    assert _resolve_gather_once(model, None, MixedPrecisionPolicy()) is False
+    assert resolve_gather_once(model, None, MixedPrecisionPolicy()) is False
 
 
 def test_clip_grad_norm_is_the_norm_of_the_unwrapped_model(model_dir: Path, mesh):
@@ -493,14 +494,14 @@ def _rank0_loading_as_on_a_gpu(rank: int, cpu_offload: bool, monkeypatch) -> tup
     into, and of every buffer broadcast; and where the buffers are afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hflow.utils import fsdp_utils
+    from hflow.workers.fsdp import models
 
     seen: list[tuple[str, torch.device]] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
     monkeypatch.setattr(dist, "broadcast", lambda tensor, src: seen.append(("buffer", tensor.device)))
-    monkeypatch.setattr(fsdp_utils, "set_model_state_dict", lambda model, full, options: seen.extend(
+    monkeypatch.setattr(models, "set_model_state_dict", lambda model, full, options: seen.extend(
         ("state", value.device) for value in model.state_dict().values()))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     if rank == 0:  # read from disk, then sharded: shards where the offload policy keeps them

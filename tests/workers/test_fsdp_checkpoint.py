@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hflow.utils import fsdp_utils
-from hflow.utils.checkpoint import FSDPCheckpointManager, resolve_checkpoint
+from hflow.workers import fsdp
+from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, resolve_checkpoint
 from hflow.tasks.tiny_models import build_causal_lm
 from tests.ranks import free_port, spawn_ranks
 
@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_state(model_dir, mesh):
-    model = fsdp_utils.apply_fsdp2(fsdp_utils.load_causal_lm(str(model_dir)), mesh)
+    model = fsdp.apply_fsdp2(fsdp.load_causal_lm(str(model_dir)), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return model, optimizer, scheduler
@@ -36,7 +36,7 @@ def train_step(model, optimizer, scheduler, seed):
 
 
 def full_params(model):
-    return {name: tensor.clone() for name, tensor in fsdp_utils.iter_full_params(model)}
+    return {name: tensor.clone() for name, tensor in fsdp.iter_full_params(model)}
 
 
 def test_save_load_round_trip_is_exact_and_training_continues_identically(model_dir, world_of_one, tmp_path):
@@ -111,7 +111,7 @@ def test_rng_streams_round_trip_through_a_safe_load(tmp_path):
 
     import numpy as np
 
-    from hflow.utils.checkpoint import rng_state, set_rng_state
+    from hflow.workers.fsdp.checkpoint import rng_state, set_rng_state
 
     torch.save(rng_state(), tmp_path / "rng.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -143,7 +143,7 @@ def _resume_on_two_ranks(rank, port, model_dir, root):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        model, optimizer, scheduler = make_state(model_dir, fsdp_utils.build_device_mesh(2))
+        model, optimizer, scheduler = make_state(model_dir, fsdp.build_device_mesh(2))
         manager = FSDPCheckpointManager(model, optimizer, scheduler)
         assert manager.load_checkpoint(Path(root) / "one")["global_step"] == 1
         manager.save_checkpoint(Path(root) / "two", global_step=1)

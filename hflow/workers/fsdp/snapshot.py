@@ -15,14 +15,10 @@ import copy
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from hflow.utils import device
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from hflow.workers.fsdp.params import local_tensor
 
 
 class HostSnapshot:
@@ -49,13 +45,13 @@ class HostSnapshot:
         """(key, this rank's live tensor) of everything a training step changes."""
         for name, param in self.module.named_parameters():
             if param.requires_grad:
-                yield f"param/{name}", _local(param)
+                yield f"param/{name}", local_tensor(param)
         for i, param in enumerate(self._optim_params()):
             for key, value in self.optimizer.state.get(param, {}).items():
                 if torch.is_tensor(value):
-                    yield f"optim/{i}/{key}", _local(value)
+                    yield f"optim/{i}/{key}", local_tensor(value)
         for name, tensor in self.extra.items():
-            yield f"extra/{name}", _local(tensor)
+            yield f"extra/{name}", local_tensor(tensor)
 
     @torch.no_grad()
     def take(self) -> None:

@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hflow.utils import device, fsdp_utils
-from hflow.utils.fsdp_utils import default_attn_implementation, load_causal_lm
+from hflow.utils import device
+from hflow.workers.fsdp import models
+from hflow.workers.fsdp import default_attn_implementation, load_causal_lm
 from hflow.utils.packing import SDPA_VARLEN
 
 BROKEN_EXTENSION = (
@@ -48,7 +49,7 @@ def fake_flash_attn(tmp_path, monkeypatch):
     for name in ("flash_attn", "flash_attn_2_cuda"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(fsdp_utils, "_ATTN_CHOICES_LOGGED", set())
+    monkeypatch.setattr(models, "_ATTN_CHOICES_LOGGED", set())
 
     def install(extension_source: str, version: str = "2.8.3") -> None:
         _install_fake(tmp_path, extension_source, version)
@@ -69,14 +70,14 @@ def test_cuda_without_flash_attn_is_sdpa(fake_flash_attn, monkeypatch, caplog):
     find_spec = importlib.util.find_spec  # hide a real flash-attn, if this machine has one
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, package=None: None if name == "flash_attn" else find_spec(name, package))
-    with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
+    with caplog.at_level(logging.INFO, logger=models.logger.name):
         assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     assert "not installed" in caplog.text
 
 
 def test_broken_build_falls_back_to_sdpa_with_one_warning(fake_flash_attn, caplog):
     fake_flash_attn(BROKEN_EXTENSION)
-    with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
+    with caplog.at_level(logging.INFO, logger=models.logger.name):
         assert default_attn_implementation(cuda=True) == SDPA_VARLEN
         assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     records = [r for r in caplog.records if "attention implementation" in r.getMessage()]
@@ -88,7 +89,7 @@ def test_broken_build_falls_back_to_sdpa_with_one_warning(fake_flash_attn, caplo
 
 def test_too_old_flash_attn_is_sdpa(fake_flash_attn, caplog):
     fake_flash_attn(WORKING_EXTENSION, version="2.0.4")
-    with caplog.at_level(logging.INFO, logger=fsdp_utils.logger.name):
+    with caplog.at_level(logging.INFO, logger=models.logger.name):
         assert default_attn_implementation(cuda=True) == SDPA_VARLEN
     assert "older than 2.3.3" in caplog.text
 

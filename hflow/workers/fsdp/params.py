@@ -1,0 +1,116 @@
+"""A model's weights under their Hugging Face names: the names without wrapper and PEFT segments, the LoRA
+adapters merged into their base weights, and one full tensor at a time out of the FSDP2 shards
+(`iter_full_params`, behind the vLLM sync, the split placement's weight stream and the Hugging Face export)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hflow.utils import device
+from hflow.workers.fsdp.sharding import reshard_fsdp_model
+
+# Name segments that wrappers (FSDP1, torch activation checkpointing, torch.compile) insert into
+# parameter names; Hugging Face checkpoints and vLLM know the names without them.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# PEFT's: the wrapped model sits under `base_model.model.`, a LoRA linear's own weight under `.base_layer`.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_BASE_LAYER = ".base_layer."
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor as it is)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    """Whether `model` carries LoRA adapters (`apply_lora`)."""
+    return any(lora_factors_of(module) is not None for module in model.modules())
+
+
+def clean_param_name(name: str) -> str:
+    """The Hugging Face checkpoint name of a (possibly wrapped, possibly PEFT) module's parameter or buffer."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name.removeprefix(_PEFT_PREFIX).replace(_PEFT_BASE_LAYER, ".")
+
+
+def lora_factors_of(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, float, bool] | None:
+    """(A, B, scaling, fan_in_fan_out) of a PEFT LoRA linear's active adapter, else None (duck-typed, so
+    models without adapters never import peft)."""
+    lora_a = getattr(module, "lora_A", None)
+    if getattr(module, "base_layer", None) is None or not isinstance(lora_a, nn.ModuleDict):
+        return None
+    if getattr(module, "lora_embedding_A", None):
+        raise NotImplementedError("LoRA on embeddings is not supported; leave them out of target_modules")
+    active = [name for name in module.active_adapters if name in lora_a]
+    if len(active) != 1:
+        raise NotImplementedError(f"one active LoRA adapter per layer is supported, found {active}")
+    name = active[0]
+    return lora_a[name].weight, module.lora_B[name].weight, float(module.scaling[name]), bool(module.fan_in_fan_out)
+
+
+def _lora_weights(model: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter, float, bool]]:
+    """HF name of each LoRA-wrapped linear's base weight -> its adapter's factors."""
+    factors = {}
+    for module_name, module in model.named_modules():
+        found = lora_factors_of(module)
+        if found is not None:
+            factors[clean_param_name(f"{module_name}.base_layer.weight")] = found
+    return factors
+
+
+def _is_lora_param(name: str) -> bool:
+    return ".lora_" in name
+
+
+@torch.no_grad()
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter and persistent buffer, one at a time.
+
+    The names are those of the unwrapped model's `state_dict()`, except that a tied parameter is
+    yielded once, under its first name (e.g. `model.embed_tokens.weight`, not also `lm_head.weight`):
+    HF and vLLM loaders re-tie it. Each sharded parameter is all-gathered when the consumer asks for it,
+    so at most one full tensor exists beside the shards; every rank must consume the generator in the
+    same order (each gather is a collective).
+
+    A LoRA model (`apply_lora`) yields the base model's names and shapes with the adapters merged in:
+    W + scaling * B @ A for each wrapped linear, and no `lora_*` tensor -- what vLLM, the weight stream
+    and a Hugging Face export need, since none of them knows the adapters.
+    """
+    reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
+    compute_device = device.get_device()
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        # Shards kept on the host (CPUOffloadPolicy) are gathered on the device, not by a host collective.
+        return tensor.to(compute_device).full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    lora = _lora_weights(model)
+    for name, tensor in named_weights(model):
+        full = gather(tensor)
+        if name in lora:
+            lora_a, lora_b, scaling, fan_in_fan_out = lora[name]
+            delta = gather(lora_b).to(full.dtype) @ gather(lora_a).to(full.dtype)
+            full = full + scaling * (delta.T if fan_in_fan_out else delta)
+        yield name, full.detach()
+
+
+def full_param_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(HF name, full shape, dtype) of what `iter_full_params` yields, in its order, without gathering."""
+    return [(name, tensor.shape, tensor.dtype) for name, tensor in named_weights(model)]
+
+
+def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (sharded or not; tied ones once; no LoRA factors) and persistent buffers under their HF names."""
+    for name, param in model.named_parameters():
+        if not _is_lora_param(name):
+            yield clean_param_name(name), param
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            yield clean_param_name(name), buffer

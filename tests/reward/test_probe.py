@@ -1,0 +1,105 @@
+"""`hflow.reward.probe`: the run's reward is tried on a few validation rows before anything starts, so a reward
+that cannot score stops the run in seconds, naming the reward, the row and the reason (issue 39)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import open_dict
+
+from hflow.config_schema import ConfigError, default_config
+from hflow.reward.probe import PROBE_ROWS, probe_reward
+
+GOOD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.strip() == str(ground_truth))
+"""
+RETURNS_A_STRING = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return "correct"
+"""
+SLOW = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(60)
+    return 1.0
+"""
+BATCH_RETURNS_ONE = """
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
+    return 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("probe")
+    rows = [{"data_source": "hflow/arithmetic", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+            for i in range(10)]
+    pq.write_table(pa.Table.from_pylist(rows), root / "val.parquet")
+    for name, text in (("good", GOOD), ("string", RETURNS_A_STRING), ("slow", SLOW), ("batch", BATCH_RETURNS_ONE)):
+        (root / f"{name}.py").write_text(text)
+    return root
+
+
+def config_for(files: Path, **reward):
+    config = default_config()
+    with open_dict(config):
+        config.data.train_files = config.data.val_files = str(files / "val.parquet")
+        for key, value in reward.items():
+            if key == "manager":
+                config.reward_model.reward_manager = value
+            elif key == "reward_model":
+                config.reward_model.enable = value
+            else:
+                config.custom_reward_function[key] = value
+    return config
+
+
+def test_a_reward_that_scores_passes(files):
+    assert probe_reward(config_for(files, path=str(files / "good.py"))) == PROBE_ROWS
+    assert probe_reward(config_for(files)) == PROBE_ROWS  # the built-in scorer of hflow/arithmetic
+
+
+def test_a_reward_that_returns_a_string_stops_naming_the_row_and_the_value(files):
+    with pytest.raises(ConfigError) as error:
+        probe_reward(config_for(files, path=str(files / "string.py")))
+    message = str(error.value)
+    for words in (f"custom_reward_function.path={files / 'string.py'}", "row 0 of", "data_source='hflow/arithmetic'",
+                  "returned 'correct'", "nothing has started yet"):
+        assert words in message, (words, message)
+
+
+def test_a_reward_past_its_timeout_stops_in_its_time(files):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="custom_reward_function.path=.*slow.py.*timeout"):
+        probe_reward(config_for(files, path=str(files / "slow.py"), timeout_s=2))
+    assert time.monotonic() - started < 15
+
+
+def test_a_batch_function_is_tried_as_the_batch_manager_calls_it(files):
+    with pytest.raises(ConfigError, match="batch call returned float"):
+        probe_reward(config_for(files, path=str(files / "batch.py"), manager="batch"))
+
+
+def test_a_url_where_nothing_listens_stops_within_seconds_without_advising_zero_rewards(files):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as error:
+        probe_reward(config_for(files, url=f"http://127.0.0.1:{port}/score", max_retries=5, request_timeout_s=60))
+    assert time.monotonic() - started < 15  # one try, not six of up to a minute
+    message = str(error.value)
+    assert f"custom_reward_function.url=http://127.0.0.1:{port}/score" in message and "row 0" in message
+    assert "Start the scoring service" in message and "on_error" not in message
+
+
+def test_a_reward_model_alone_is_not_probed(files):
+    assert probe_reward(config_for(files, reward_model=True)) == 0
