@@ -9,8 +9,8 @@ and without the optimizer state; LoRA adapters are merged into their base weight
 (W + scaling * B @ A, scaling = lora_alpha / r as PEFT computes it) under the base model's names;
 `--ema` writes the EMA of the weights (`actor.ema.enable`) instead of the live ones. OUT_DIR gets
 config, generation config, tokenizer and safetensors shards (`hflow.workers.fsdp.checkpoint.save_hf_model`'s
-writer: written beside OUT_DIR and renamed into place when complete); a tied `lm_head` is left out, as
-Hugging Face loaders re-tie it. `--verify` then loads OUT_DIR with `transformers` and compares its logits
+writer); a tied `lm_head` is left out, as Hugging Face loaders re-tie it. `--verify` then loads OUT_DIR
+with `transformers` and compares its logits
 with the checkpoint's own model (base weights plus unmerged adapters, as in training) built on CPU.
 
 What the conversion reads beside the shards (every checkpoint holds it, see
@@ -18,6 +18,13 @@ What the conversion reads beside the shards (every checkpoint holds it, see
 
     huggingface/                   config, generation config, tokenizer (weights only with hf_model)
     lora/adapter_config.json       PEFT's adapter config of a LoRA actor (r, lora_alpha, target_modules)
+
+OUT_DIR must be new or empty; `--overwrite` replaces an earlier output of the converter (a folder with a
+config.json and no subfolders). It is refused, before anything is read, when it is, holds or lies inside
+the checkpoint (or `--model-path`), or lies in or holds a training checkpoint folder (an experiment's
+folder with `global_step_*/` or `latest_checkpointed_iteration.txt`), see `hflow.utils.safe_output`. The
+new folder is written beside OUT_DIR and renamed into place when complete; an earlier one is removed only
+then.
 
 Checkpoints written before those files existed convert with `--model-path` (the run's
 `actor_rollout_ref.model.path`: config and tokenizer) and `--lora-alpha` (the run's `model.lora_alpha`).
@@ -39,6 +46,7 @@ import torch
 
 from hflow.workers.fsdp.checkpoint import HF_DIR, LORA_DIR
 from hflow.utils.errors import UserError
+from hflow.utils.safe_output import OutputError, check_output_folder, staged_folder
 
 __all__ = ["CheckpointError", "convert_checkpoint", "main", "verify_conversion"]
 
@@ -69,7 +77,7 @@ class CheckpointError(UserError, ValueError):
 
 def resolve_source(path: str | Path) -> Path:
     """The checkpoint folder to convert at `path`, or a CheckpointError saying what is wrong with it."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.name.endswith(".incomplete"):
         raise CheckpointError(
             f"{path} is a half-written checkpoint (a save that did not finish leaves '.incomplete' folders); "
@@ -106,7 +114,7 @@ def resolve_source(path: str | Path) -> Path:
 def _hf_source(checkpoint: Path, model_path: str | Path | None) -> Path:
     """The folder with config and tokenizer: the checkpoint's `huggingface/`, else `model_path`."""
     if model_path is not None:
-        folder = Path(model_path)
+        folder = Path(model_path).expanduser()
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"--model-path {folder} has no config.json; pass the run's "
                                   "actor_rollout_ref.model.path (a Hugging Face model folder)")
@@ -300,6 +308,11 @@ def _load_config(hf_dir: Path):
     return config, generation
 
 
+def _is_earlier_output(folder: Path) -> bool:
+    """What the converter writes: a config.json and files, no subfolders."""
+    return (folder / "config.json").is_file() and not any(p.is_dir() for p in folder.iterdir())
+
+
 def _is_tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
@@ -310,27 +323,32 @@ def convert_checkpoint(src: str | Path, dst: str | Path, ema: bool = False, dtyp
     """Write the checkpoint at `src` as a Hugging Face folder `dst` (see the module docstring); returns `dst`.
 
     `dtype`: of the written weights (default: as saved). Fails with a CheckpointError, before writing
-    anything, on a folder it cannot convert, and on an existing non-empty `dst` unless `overwrite`.
+    anything, on a folder it cannot convert, and with an OutputError on a `dst` that
+    `hflow.utils.safe_output.check_output_folder` refuses (an existing non-empty one unless `overwrite`).
     """
     from hflow.workers.fsdp.checkpoint import save_hf_model
 
     checkpoint = resolve_source(src)
-    dst = Path(dst)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
-    if dst.resolve() == checkpoint.resolve() or checkpoint.resolve() in dst.resolve().parents:
-        raise CheckpointError(f"{dst} is inside the checkpoint {checkpoint}; write the output elsewhere")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
-        raise CheckpointError(f"{dst} exists and is not empty; choose a new folder or pass --overwrite")
+    try:
+        dst = check_output_folder(dst, arg="OUT_DIR", what="the Hugging Face folder", overwrite=overwrite,
+                                  inputs={"the checkpoint": src, "the checkpoint folder": checkpoint,
+                                          "--model-path": model_path},
+                                  earlier_output=_is_earlier_output,
+                                  earlier_what="an earlier output of the converter (a config.json, no subfolders)")
+    except OutputError as err:
+        raise CheckpointError(str(err)) from None
     hf_dir = _hf_source(checkpoint, model_path)
     config, generation = _load_config(hf_dir)
     if dtype is not None:
         config.dtype = dtype
     weights = iter_merged_weights(checkpoint, ema=ema, tied=_is_tied(config), lora_alpha=lora_alpha, dtype=dtype)
-    # the writer of the trainer's own export: shards of ~4 GiB, config, tie, a temp folder renamed at the end
-    save_hf_model(_ModelInfo(config, generation), dst, tokenizer=_CopyFiles(hf_dir), weights=weights)
+    with staged_folder(dst) as new:  # replaces dst only once the new folder is complete
+        # the writer of the trainer's own export: shards of ~4 GiB, config, tie
+        save_hf_model(_ModelInfo(config, generation), new, tokenizer=_CopyFiles(hf_dir), weights=weights)
     return dst
 
 
@@ -435,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "(the run's actor_rollout_ref.model.path)")
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for a checkpoint without lora/adapter_config.json (model.lora_alpha)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier output of the converter at OUT_DIR (never a folder it reads, nor "
+                             "one holding or inside a training checkpoint)")
     args = parser.parse_args(argv)
     dtype = _DTYPES.get(args.dtype)
     try:
@@ -447,7 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         diff = verify_conversion(args.checkpoint, out, ema=args.ema, prompts=args.prompts,
                                  model_path=args.model_path, lora_alpha=args.lora_alpha)
     except UserError as err:
-        print(f"convert_checkpoint: error: {err}", file=sys.stderr)
+        print(f"hflow: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path that cannot be read or written: its name and why, no traceback
+        print(f"hflow: error: {err.filename or args.out}: {err.strerror or err}; check the paths given to "
+              "python -m hflow.cli.convert_checkpoint", file=sys.stderr)
         return 2
     tolerance = args.tolerance if args.tolerance is not None else _TOLERANCE[_written_dtype(out)]
     verdict = "OK" if diff <= tolerance else "FAIL"

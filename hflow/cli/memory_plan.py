@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig
 
-from hflow.config_schema import ConfigError
 from hflow.trainer.memory.facts import GIB
 from hflow.trainer.memory.plan import format_plan, plan_memory, remedies
+from hflow.utils.errors import UserError
+from hflow.utils.safe_output import check_output_file, paths_in_overrides, staged_file
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -47,18 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     try:
+        out = None if args.out is None else check_output_file(
+            args.out, arg="--out", what="the memory plan", inputs=paths_in_overrides(args.overrides))
         config = compose(args.overrides)
         target = args.target or ("cuda" if _cuda() else "cpu")
         device_bytes = args.device_memory_gb * GIB if args.device_memory_gb else None
         plan = plan_memory(config, target, device_bytes)
         found = [] if args.no_remedies else remedies(config, plan, target)
-    except ConfigError as err:
+    except UserError as err:
         print(f"hflow: error: {err}", file=sys.stderr)
         return 2
     text = format_plan(plan, found)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out is not None:
+        try:
+            with staged_file(out) as tmp:
+                tmp.write_text(text + "\n")
+        except OSError as err:
+            print(f"hflow: error: --out {args.out}: {err.strerror or err}; name a file you can write",
+                  file=sys.stderr)
+            return 2
     return 0 if plan.fits else 1
 
 

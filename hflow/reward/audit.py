@@ -32,6 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hflow.utils.errors import ConfigError, UserError
+from hflow.utils.safe_output import check_output_file, check_output_folder, staged_file
 from hflow.reward.audit_families import (
     ANSWER_FORMATS,
     CORRECT,
@@ -400,20 +401,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for reward_audit.md and reward_audit.json")
     args = parser.parse_args(argv)
     try:
+        files = _output_files(args)
         fn, label = load_reward(args.reward)
         rows = read_rows(args.data, args.max_rows, args.data_source_key, args.prompt_key)
         report = run_audit(fn, rows, reward=label, data=args.data, accept_fraction=args.accept_fraction,
                            max_chars=args.max_chars, timeout_s=args.timeout_s or None)
     except UserError as err:
-        print(f"reward_audit: error: {err}", file=sys.stderr)
+        print(f"hflow: error: {err}", file=sys.stderr)
         return 2
     text = format_markdown(report, args.max_accept)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "reward_audit.md").write_text(text)
-        (out / "reward_audit.json").write_text(json.dumps(report.to_json(args.max_accept), indent=2, default=str))
+    if files:
+        try:
+            for path, content in zip(files, (text, json.dumps(report.to_json(args.max_accept), indent=2,
+                                                                default=str))):
+                with staged_file(path) as tmp:
+                    tmp.write_text(content)
+        except OSError as err:
+            print(f"hflow: error: --out {args.out}: {err.strerror or err}; name a folder you can write",
+                  file=sys.stderr)
+            return 2
     failed = report.failed(args.max_accept)
     if report.errors:
         print(f"reward_audit: FAIL: the reward failed (raised, timed out or returned no number) on {report.errors} "
@@ -429,6 +436,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _output_files(args) -> list[Path]:
+    """reward_audit.md and .json in --out, refused (`hflow.utils.safe_output`) where they would overwrite or
+    lie among what the audit reads, or in a training checkpoint folder: before any work."""
+    if not args.out:
+        return []
+    inputs = {"--data": args.data, "--reward": args.reward.rpartition(":")[0] or args.reward if args.reward else None}
+    what = "reward_audit.md and reward_audit.json"
+    out = check_output_folder(args.out, arg="--out", what=what, inputs=inputs, overwrite=None)
+    return [check_output_file(out / name, arg="--out", what=what, inputs=inputs)
+            for name in ("reward_audit.md", "reward_audit.json")]
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from hflow.tasks.assets import (
     pretrained_model,
     prompt_ids,
     quiet_transformers,
+    run_cache_command,
     task_row,
     write_parquet,
 )
@@ -554,6 +555,10 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="the seconds-long test build instead of the default")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cache_command(args.cache_dir, lambda: _print_assets(args))
+
+
+def _print_assets(args) -> int:
     assets = ensure_agent_assets(args.cache_dir, spec=QUICK_AGENT_SPEC if args.quick else DEFAULT_AGENT_SPEC)
     info = json.loads(Path(assets.info_file).read_text())
     summary = {k: info[k] for k in ("num_train", "num_val", "pretrain", "base_model")}

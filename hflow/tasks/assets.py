@@ -54,6 +54,7 @@ __all__ = [
     "prompt_ids",
     "quiet_transformers",
     "remove_folder",
+    "run_cache_command",
     "sha256_file",
     "task_row",
     "write_parquet",
@@ -324,3 +325,23 @@ def ensure_cached_folder(
             raise
         logger.warning("hflow: built in %.0f s: %s", time.perf_counter() - t0, final)
     return final
+
+
+def run_cache_command(cache_dir: str | None, build: Callable[[], int]) -> int:
+    """A task builder's command line: `cache_dir` checked before any work (a folder, writable, not in a
+    training checkpoint folder: `hflow.utils.safe_output`), then `build()`; a refused or unwritable path is
+    one `hflow: error:` paragraph and status 2, no traceback."""
+    from hflow.utils.errors import UserError
+    from hflow.utils.safe_output import check_output_folder
+
+    try:
+        if cache_dir is not None:
+            check_output_folder(cache_dir, arg="--cache-dir", what="the cache", inputs={}, overwrite=None)
+        return build()
+    except UserError as err:
+        print(f"hflow: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"hflow: error: {err.filename or cache_dir}: {err.strerror or err}; pass --cache-dir with a folder "
+              "you can write (default $HFLOW_CACHE or ~/.cache/hflow)", file=sys.stderr)
+        return 2

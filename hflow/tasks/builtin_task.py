@@ -57,6 +57,7 @@ from hflow.tasks.assets import (
     pretrained_model,
     prompt_ids,
     quiet_transformers,
+    run_cache_command,
     task_row,
     write_parquet,
 )
@@ -420,6 +421,10 @@ def _main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_cache_command(args.cache_dir, lambda: _print_assets(args))
+
+
+def _print_assets(args) -> int:
     assets = ensure_builtin_assets(args.cache_dir, spec=QUICK_SPEC if args.quick else DEFAULT_SPEC)
     print(json.dumps(asdict(assets), indent=2))
     info = json.loads(Path(assets.info_file).read_text())

@@ -36,6 +36,7 @@ from hflow.tasks.assets import (
     pretrained_model,
     prompt_ids,
     quiet_transformers,
+    run_cache_command,
 )
 from hflow.tasks.builtin_task import Problem, builtin_problems, split_problems
 from hflow.reward.judge import render_judge_prompt
@@ -206,7 +207,11 @@ def _main(argv: list[str]) -> int:
         with quiet_transformers():
             _build_model(Path(argv[1]), JudgeSpec(**json.loads(argv[2])))
         return 0
-    assets = ensure_judge_assets(argv[0] if argv else None)
+    return run_cache_command(argv[0] if argv else None, lambda: _print_assets(argv[0] if argv else None))
+
+
+def _print_assets(cache_dir: str | None) -> int:
+    assets = ensure_judge_assets(cache_dir)
     print(json.dumps(asdict(assets), indent=2))
     print(Path(assets.info_file).read_text())
     return 0
