@@ -1,7 +1,8 @@
 """The health watch (`trainer.health`), by fault injection on the built-in task.
 
 Each fault is the kind that ruins real runs: one update at a learning rate x1000 (the model collapses to
-one-token answers: entropy 0, every group's advantage 0), NaN logits in one update, and a reward that
+one-token answers, entropy 0, or to noise, entropy near the vocabulary's, as the CPU's float kernels
+decide; either way every group's advantage is 0), NaN logits in one update, and a reward that
 scores every response 0 for three steps (a broken reward function). Without the watch the first one ends
 the run at 0.0 (the control below); with it each fault is caught, the last healthy state is restored and
 the run still ends >= 0.8. With no fault a run with the watch on is identical, metric for metric and step
@@ -70,7 +71,10 @@ def test_a_learning_rate_spike_is_rolled_back(tmp_path):
     fault = f"trainer.health.inject=[{{step: {FAULT_STEP}, kind: lr_scale, value: 1000}}]"
     control = _run(tmp_path, "control", fault, steps=FAULT_STEP + 1)  # no watch: the run collapses and never recovers
     assert _final_score(control) < 0.2, _final_score(control)
-    assert control[FAULT_STEP]["actor/entropy"] < 0.02  # the step after the fault: one-token answers
+    # the step after the fault: the policy is ruined, in one of two ways depending on the CPU's float kernels
+    # (AVX-512: one-token answers, entropy ~0; AVX2: noise, entropy many times the healthy step's)
+    healthy, ruined = control[FAULT_STEP - 2]["actor/entropy"], control[FAULT_STEP]["actor/entropy"]
+    assert ruined < 0.02 or ruined > 5 * healthy, (healthy, ruined)
 
     watched = _run(tmp_path, "watched", fault, *WATCH, "trainer.health.remedy=lr_scale")
     triggered = _triggers(watched)
