@@ -175,7 +175,6 @@ KNOWN_REPEATS = {
     "hflow/workers/actor/dp_actor.py: meta.get('use_dynamic_bsz', False)",
     "hflow/workers/critic/dp_critic.py: getattr(self.config, 'use_remove_padding', False)",
     "hflow/workers/critic/dp_critic.py: meta.get('use_dynamic_bsz', False)",
-    "hflow/workers/fsdp_workers.py: config.model.get('lora_rank', 0)",
 }
 
 

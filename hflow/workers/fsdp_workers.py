@@ -175,7 +175,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         # With LoRA the reference policy is the actor's own base model, its adapters switched off: the actor
         # answers compute_ref_log_prob and no second copy of the model is loaded.
-        self._ref_in_actor = self._is_actor and int(config.model.get("lora_rank", 0) or 0) > 0
+        self._ref_in_actor = self._is_actor and int(config.model.lora_rank) > 0
         self._is_ref = role in ("ref", "actor_rollout_ref") or self._ref_in_actor
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
