@@ -2,7 +2,7 @@
 
 `python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo actor_rollout_ref.rollout.multi_turn.enable=true`
 with no data or model trains `hflow.tasks.agent_task`: multiplications of two 2-digit numbers, which the
-small model cannot do in its head (greedy, with tools: 0.015 on the held-out problems) but can with the
+small model cannot do in its head (greedy, with tools: 0.01 on the held-out problems) but can with the
 built-in calculator, which it calls in a quarter of its samples. Held-out greedy episodes (with the tool)
 must go from <= 0.2 to >= 0.9 and stay there (tests/trainer/learning.py's mark) on the real engines (Ray,
 vLLM) colocated on two ranks sharing one tensor-parallel engine, with generation on its own devices two
