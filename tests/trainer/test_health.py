@@ -31,7 +31,8 @@ from tests.trainer.learning import VAL_KEY
 STEPS = 7
 FAULT_STEP = 4  # the built-in model has learned the task by then (greedy >= 0.9)
 # detectors on for every run here; a healthy run never trips them (the identity test shows it)
-WATCH = ("trainer.health.enable=true", "trainer.health.entropy_min=0.02", "trainer.health.zero_adv_group_frac=1.0")
+WATCH = ("trainer.health.enable=true", "trainer.health.entropy_min=0.02", "trainer.health.entropy_max=2.0",
+         "trainer.health.zero_adv_group_frac=1.0")
 
 
 def _run(tmp_path, name, *overrides, steps=STEPS):
@@ -84,7 +85,8 @@ def test_a_learning_rate_spike_is_rolled_back(tmp_path):
     assert after["health/lr_factor"] == 0.5
     assert after["actor/lr"] == pytest.approx(0.5 * watched[0]["actor/lr"])
     report = json.loads((tmp_path / "watched" / "logs" / "health_report.json").read_text())
-    assert report["triggers"][0]["detector"] in ("entropy_collapse", "zero_advantage") and not report["stopped"]
+    assert report["triggers"][0]["detector"] in ("entropy_collapse", "entropy_blowup", "zero_advantage")
+    assert not report["stopped"]
 
 
 def test_nan_logits_are_rolled_back_from_the_last_healthy_checkpoint(tmp_path):
@@ -128,8 +130,8 @@ def test_detectors_fire_on_their_metric_only():
     healthy = {"actor/grad_norm": 1.0, "actor/entropy": 0.5, "actor/ppo_kl": 0.001, "actor/pg_loss": 0.1,
                "training/rollout_probs_diff_max": 0.01, "response_length/clip_ratio": 0.1,
                "training/zero_adv_group_frac": 0.2}
-    watch = _watch(entropy_min=0.1, ppo_kl_max=0.05, rollout_probs_diff_max=0.5, max_length_frac=0.9,
-                   zero_adv_group_frac=1.0)
+    watch = _watch(entropy_min=0.1, entropy_max=2.0, ppo_kl_max=0.05, rollout_probs_diff_max=0.5,
+                   max_length_frac=0.9, zero_adv_group_frac=1.0)
     assert watch.check(1, healthy) is None
     cases = {"actor/pg_loss": (float("nan"), "non_finite"), "actor/entropy": (0.05, "entropy_collapse"),
              "actor/ppo_kl": (-0.2, "ppo_kl"), "training/rollout_probs_diff_max": (0.9, "rollout_probs_diff"),
@@ -138,6 +140,8 @@ def test_detectors_fire_on_their_metric_only():
     for key, (value, detector) in cases.items():
         trigger = watch.check(1, {**healthy, key: value})
         assert trigger is not None and (trigger.detector, trigger.key) == (detector, key), (key, trigger)
+    blowup = watch.check(1, {**healthy, "actor/entropy": 4.6})  # noise: the other way a policy breaks
+    assert (blowup.detector, blowup.key, blowup.limit) == ("entropy_blowup", "actor/entropy", 2.0)
 
 
 def test_grad_norm_spike_needs_history_and_a_real_spike():

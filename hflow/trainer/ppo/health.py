@@ -13,6 +13,7 @@ Detectors (each off when its limit is null, except the non-finite check):
 - grad_norm_spike: `actor/grad_norm` above mean + z x std of the last `window` healthy steps (from the
   fifth; the spread counts as at least 5 % of the mean, so a very steady run does not trip on noise);
 - entropy_collapse: `actor/entropy` below `entropy_min`;
+- entropy_blowup: `actor/entropy` above `entropy_max` (a policy turned to noise);
 - ppo_kl: |`actor/ppo_kl`| above `ppo_kl_max`;
 - rollout_probs_diff: `training/rollout_probs_diff_max` above `rollout_probs_diff_max`;
 - length_pinned: `response_length/clip_ratio` (responses cut at the length limit) at or above `max_length_frac`;
@@ -124,7 +125,7 @@ class HealthWatch:
             if grad_norm > limit:
                 return Trigger(step, "grad_norm_spike", "actor/grad_norm", grad_norm, limit)
         below = [("entropy_collapse", "actor/entropy", cfg.entropy_min)]
-        above = [("ppo_kl", "actor/ppo_kl", cfg.ppo_kl_max),
+        above = [("entropy_blowup", "actor/entropy", cfg.entropy_max), ("ppo_kl", "actor/ppo_kl", cfg.ppo_kl_max),
                  ("rollout_probs_diff", "training/rollout_probs_diff_max", cfg.rollout_probs_diff_max)]
         at_least = [("length_pinned", "response_length/clip_ratio", cfg.max_length_frac),
                     ("zero_advantage", "training/zero_adv_group_frac", cfg.zero_adv_group_frac)]

@@ -16,6 +16,7 @@ class HealthConfig:
     window: int = 20  # steps of history for the gradient-norm z-score
     grad_norm_zscore: Optional[float] = 6.0  # trigger above mean + z * std of the window's grad norms
     entropy_min: Optional[float] = None  # trigger when actor/entropy falls below
+    entropy_max: Optional[float] = None  # trigger when actor/entropy rises above (a policy turned to noise)
     ppo_kl_max: Optional[float] = None  # trigger when |actor/ppo_kl| exceeds
     rollout_probs_diff_max: Optional[float] = None  # trigger when training/rollout_probs_diff_max exceeds
     max_length_frac: Optional[float] = None  # trigger when this share of responses ends at the length limit
