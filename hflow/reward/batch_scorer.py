@@ -15,13 +15,13 @@ import torch
 from hflow.protocol import DataProto
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.managers.dapo import GENERATED_RESPONSE_MASK
+from hflow.utils.torch_functional import response_attention_mask
 from hflow.workers.fsdp_workers import RewardModelWorker
 
 
 def response_mask(batch: DataProto) -> torch.Tensor:
     """The response part of `attention_mask` (1 on every generated token, 0 on padding)."""
-    response_length = batch.batch["responses"].shape[-1]
-    return batch.batch["attention_mask"][:, -response_length:]
+    return response_attention_mask(batch.batch["attention_mask"], batch.batch["responses"])
 
 
 def reward_extra_metrics(extra_info: dict[str, list]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from hflow.reward.score import default_compute_score
 from hflow.reward import runner
 from hflow.reward.runner import CallResult, ScoringPool
 from hflow.reward.managers.registry import register
+from hflow.utils.torch_functional import response_attention_mask
 
 __all__ = ["NaiveRewardManager", "RewardFunctionError"]
 
@@ -117,7 +118,7 @@ class NaiveRewardManager:
 
         prompt_len = data.batch["prompts"].shape[-1]
         responses = data.batch["responses"]
-        response_lengths = data.batch["attention_mask"][:, prompt_len:].sum(-1).tolist()
+        response_lengths = response_attention_mask(data.batch["attention_mask"], responses).sum(-1).tolist()
         calls = self._calls(data, prompt_len, response_lengths)
         scores, extras, failures = self._score(calls)
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32)
@@ -201,7 +202,7 @@ class NaiveRewardManager:
             return reward_tensor, {}
         mask = data.batch.get(GENERATED_RESPONSE_MASK, None)
         if mask is None:
-            mask = data.batch["attention_mask"][:, data.batch["prompts"].shape[-1]:]
+            mask = response_attention_mask(data.batch["attention_mask"], data.batch["responses"])
         return self.overlong_buffer.apply(reward_tensor, mask)
 
     @staticmethod
