@@ -180,6 +180,10 @@ RANGES = [
     (["custom_reward_function.batch_size=0"], ["custom_reward_function.batch_size=0", ">= 1"]),
     (["custom_reward_function.max_concurrency=0"], ["custom_reward_function.max_concurrency"]),
     (["reward_model.overlong_buffer.penalty_factor=-1"], ["reward_model.overlong_buffer.penalty_factor"]),
+    (["reward_model.enable=true", "reward_model.style=generative", "reward_model.judge.score_min=5",
+      "reward_model.judge.score_max=1"], ["reward_model.judge.score_min=5 must be < reward_model.judge.score_max=1"]),
+    (["reward_model.enable=true", "reward_model.style=generative", "reward_model.judge.gpu_memory_utilization=0"],
+     ["reward_model.judge.gpu_memory_utilization"]),
     # sampling
     (["actor_rollout_ref.rollout.top_p=0"], ["actor_rollout_ref.rollout.top_p", "(0, 1]"]),
     (["actor_rollout_ref.rollout.val_kwargs.top_p=1.5"], ["actor_rollout_ref.rollout.val_kwargs.top_p"]),
