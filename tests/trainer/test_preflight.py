@@ -291,3 +291,19 @@ def test_a_check_that_depends_on_a_failed_one_is_not_run(files):
     assert message.startswith("3 problems"), message
     for text in ("actor_rollout_ref.model.path=/nonexistent/model", "algorithm.gamma", "/nonexistent/train.parquet"):
         assert text in message
+
+
+def test_the_supervised_stages_report_their_errors_together():
+    from hflow.trainer.config import SCHEMAS, validate_config
+    from hflow.trainer.supervised_trainer import check_stage_config, fill_builtin_stage_defaults
+
+    overrides = ["optim.lr=-1", "data.max_length=0", "optim.grad_clip=0"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = validate_config(compose(config_name="sft_trainer", overrides=overrides), SCHEMAS["sft_trainer"])
+    fill_builtin_stage_defaults(config, "sft", frozenset(o.split("=")[0] for o in overrides))
+    with pytest.raises(ConfigError) as err:
+        check_stage_config(config, "sft")
+    message = str(err.value)
+    assert message.startswith("3 problems"), message
+    for key in ("optim.lr", "data.max_length", "optim.grad_clip"):
+        assert key in message, (key, message)
