@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from hflow.agent.chat import TRUNCATE_SIDES
 from hflow.agent.parsers import get_parser
-from hflow.config_schema import ConfigError, check_choice
+from hflow.config_schema import ConfigError, ConfigErrors, check_choice
 
 PREFIX = "actor_rollout_ref.rollout.multi_turn"
 
@@ -23,7 +23,7 @@ class MultiTurnConfig:
     max_assistant_turns: Optional[int] = None  # None = until the response budget is spent
     max_user_turns: Optional[int] = None  # tool-result turns; None = no limit
     max_parallel_calls: int = 1  # tool calls run per assistant turn (more get an error result)
-    max_tool_response_length: Optional[int] = 256  # characters of a tool result the model sees
+    max_tool_response_length: Optional[int] = 256  # characters of a tool result the model sees; None = all
     tool_response_truncate_side: str = "middle"  # left | right | middle
     tool_config_path: Optional[str] = None  # None = the built-in calculator
     format: str = "hermes"  # tool-call parser (hflow.agent.parsers.register_parser adds others)
@@ -33,21 +33,35 @@ class MultiTurnConfig:
 
 def check_multi_turn(multi_turn: Any) -> None:
     """Limits in range, a known call format and a tool file that exists (the rollout worker's
-    `load_rollout_tools` then loads the tools themselves)."""
+    `load_rollout_tools` then loads the tools themselves); all of their errors together."""
+    errors = ConfigErrors()
     for key in ("max_assistant_turns", "max_user_turns"):
         value = multi_turn[key]
-        if value is not None and int(value) < 1:
-            raise ConfigError(f"{PREFIX}.{key}={value}; give a number >= 1, or null for no limit")
+        with errors.catch():
+            if value is not None and int(value) < 1:
+                raise ConfigError(f"{PREFIX}.{key}={value}; give a number >= 1, or null for no limit")
+    with errors.catch():
+        value = multi_turn.max_tool_response_length
+        if value is not None and int(value) < 1:  # (truncate_text would read 0 or less as "no limit")
+            raise ConfigError(f"{PREFIX}.max_tool_response_length={value}; give the characters of a tool result the "
+                              "model sees, a number >= 1, or null for no limit")
     for key in ("max_parallel_calls", "max_concurrent_tools"):
-        if int(multi_turn[key]) < 1:
-            raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}; it must be >= 1")
-    if not float(multi_turn.tool_timeout_s) > 0:
-        raise ConfigError(f"{PREFIX}.tool_timeout_s={multi_turn.tool_timeout_s}; give a positive number of seconds")
-    check_choice(multi_turn.tool_response_truncate_side, TRUNCATE_SIDES, f"{PREFIX}.tool_response_truncate_side")
-    try:
-        get_parser(str(multi_turn.format))
-    except ValueError as err:
-        raise ConfigError(f"{PREFIX}.format: {err}") from None
-    if multi_turn.tool_config_path is not None and not Path(str(multi_turn.tool_config_path)).expanduser().is_file():
-        raise ConfigError(f"{PREFIX}.tool_config_path={multi_turn.tool_config_path}: no such file; point it at a "
-                          "YAML with a 'tools:' list, or leave it null for the built-in calculator")
+        with errors.catch():
+            if int(multi_turn[key]) < 1:
+                raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}; it must be >= 1")
+    with errors.catch():
+        if not float(multi_turn.tool_timeout_s) > 0:
+            raise ConfigError(f"{PREFIX}.tool_timeout_s={multi_turn.tool_timeout_s}; give a positive number of seconds")
+    errors.run(check_choice, multi_turn.tool_response_truncate_side, TRUNCATE_SIDES,
+               f"{PREFIX}.tool_response_truncate_side")
+    with errors.catch():
+        try:
+            get_parser(str(multi_turn.format))
+        except ValueError as err:
+            raise ConfigError(f"{PREFIX}.format: {err}") from None
+    with errors.catch():
+        if (multi_turn.tool_config_path is not None
+                and not Path(str(multi_turn.tool_config_path)).expanduser().is_file()):
+            raise ConfigError(f"{PREFIX}.tool_config_path={multi_turn.tool_config_path}: no such file; point it at "
+                              "a YAML with a 'tools:' list, or leave it null for the built-in calculator")
+    errors.raise_any()

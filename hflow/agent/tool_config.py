@@ -170,7 +170,7 @@ def _load_function(spec: Any, config_path: str, index: int) -> FileFunction:
         raise ConfigError(f"{where}.function={spec!r}: {os.path.normpath(path)} does not exist (a relative path "
                           "is read from the tool config's folder)")
     try:
-        return FileFunction(path, name, config_key=f"tools[{index}].function")
+        return FileFunction(path, name, config_key=f"tools[{index}]", spec_key=f"tools[{index}].function")
     except UserError as exc:  # the file fails to import, or does not define the function (its message says which)
         raise ConfigError(f"tool config {config_path}: {exc}") from exc
 

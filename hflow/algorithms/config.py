@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hflow.algorithms import core_algos
-from hflow.config_schema import ConfigError, check_choice
+from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_fraction, check_non_negative, check_positive, check_positive_number
 
 LOSS_AGG_MODES = tuple(mode.value for mode in core_algos.LossAggMode)
 KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straight-through gradient)
@@ -59,9 +59,24 @@ def check_adv_estimator(algo) -> None:
 
 
 def check_kl_in_reward(algo) -> None:
-    if algo.use_kl_in_reward:
-        check_choice(algo.kl_penalty.removesuffix("+"), KL_TYPES, "algorithm.kl_penalty")
-        check_choice(algo.kl_ctrl.type, KL_CONTROLLERS, "algorithm.kl_ctrl.type")
+    if not algo.use_kl_in_reward:
+        return
+    errors = ConfigErrors()
+    errors.run(check_choice, algo.kl_penalty.removesuffix("+"), KL_TYPES, "algorithm.kl_penalty")
+    errors.run(check_choice, algo.kl_ctrl.type, KL_CONTROLLERS, "algorithm.kl_ctrl.type")
+    errors.run(check_non_negative, algo.kl_ctrl.kl_coef, "algorithm.kl_ctrl.kl_coef")
+    if algo.kl_ctrl.type == "adaptive":
+        errors.run(check_positive_number, algo.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")
+        errors.run(check_positive, algo.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")
+    errors.raise_any()
+
+
+def check_discount(algo) -> None:
+    """`algorithm.gamma` and `.lam`: GAE's discount and trace decay, each in [0, 1]."""
+    errors = ConfigErrors()
+    errors.run(check_fraction, algo.gamma, "algorithm.gamma", "the discount per token")
+    errors.run(check_fraction, algo.lam, "algorithm.lam", "GAE's lambda")
+    errors.raise_any()
 
 
 def check_old_log_probs(algo) -> None:

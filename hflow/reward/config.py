@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hflow.config_schema import ConfigError, check_choice, ref
+from hflow.config_schema import (
+    ConfigError,
+    ConfigErrors,
+    check_choice,
+    check_fraction,
+    check_non_negative,
+    check_positive,
+    ref,
+)
 
 
 @dataclass
@@ -93,6 +101,40 @@ def check_custom_reward_path(custom: Any) -> None:
 
 def check_custom_reward_on_error(custom: Any) -> None:
     check_choice(custom.on_error, ON_ERROR, "custom_reward_function.on_error")
+
+
+def check_custom_reward_settings(custom: Any) -> None:
+    """`custom_reward_function`'s numbers in range (the remote scorer's too, whether or not .url is set yet):
+    all of their errors together."""
+    key = "custom_reward_function"
+    errors = ConfigErrors()
+    with errors.catch():
+        if custom.timeout_s is not None and not float(custom.timeout_s) > 0:
+            raise ConfigError(f"{key}.timeout_s={custom.timeout_s}; give a positive number of seconds, or null for "
+                              "no limit")
+    for name, least in (("max_concurrency", 1), ("batch_size", 1), ("max_retries", 0)):
+        with errors.catch():
+            if int(custom[name]) < least:
+                raise ConfigError(f"{key}.{name}={custom[name]}; it must be >= {least}")
+    with errors.catch():
+        if not float(custom.request_timeout_s) > 0:
+            raise ConfigError(f"{key}.request_timeout_s={custom.request_timeout_s}; give a positive number")
+    errors.raise_any()
+
+
+def check_reward_model_settings(reward_model: Any) -> None:
+    """`reward_model`'s numbers in range: the judge's lengths and memory share (with style=generative), the
+    overlong buffer's penalty (its length: `check_dapo_config`); all of their errors together."""
+    errors = ConfigErrors()
+    if reward_model.enable and str(reward_model.style) == "generative":
+        judge, key = reward_model.judge, "reward_model.judge"
+        errors.run(check_positive, judge.max_prompt_length, f"{key}.max_prompt_length")
+        errors.run(check_positive, judge.max_new_tokens, f"{key}.max_new_tokens")
+        errors.run(check_fraction, judge.gpu_memory_utilization, f"{key}.gpu_memory_utilization",
+                   "a share of each device's memory", zero_ok=False)
+    errors.run(check_non_negative, reward_model.overlong_buffer.penalty_factor,
+               "reward_model.overlong_buffer.penalty_factor", "the penalty at data.max_response_length; 0: none")
+    errors.raise_any()
 
 
 def check_reward_normalize(reward_model: Any) -> None:

@@ -105,13 +105,11 @@ def reference_text(reward_model_entry: Any) -> str | None:
 def check_judge_config(config: Any) -> None:
     """`reward_model.style` and, for a generative judge, its parser and score range (preflight and the
     worker both apply it, so a wrong key stops the run before any model loads)."""
-    from hflow.config_schema import ConfigError, check_choice
+    from hflow.config_schema import check_choice, check_lower_upper
 
     check_choice(str(config.style), STYLES, "reward_model.style")
     if str(config.style) != "generative":
         return
     judge = config.judge
     check_choice(str(judge.parser), PARSERS, "reward_model.judge.parser")
-    if float(judge.score_min) >= float(judge.score_max):
-        raise ConfigError(f"reward_model.judge.score_min={judge.score_min} must be < "
-                          f"reward_model.judge.score_max={judge.score_max}")
+    check_lower_upper(judge.score_min, judge.score_max, "reward_model.judge.score_min", "reward_model.judge.score_max")

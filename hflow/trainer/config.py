@@ -16,7 +16,16 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hflow.algorithms.config import AlgorithmConfig
-from hflow.config_schema import WORLD_KEYS, ConfigError, check_choice, defaults, validate
+from hflow.config_schema import (
+    WORLD_KEYS,
+    ConfigError,
+    ConfigErrors,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    defaults,
+    validate,
+)
 from hflow.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from hflow.sandbox.config import SandboxConfig
 from hflow.trainer.ppo.health_config import HealthConfig
@@ -215,14 +224,31 @@ def check_world(trainer: Any) -> int:
 
 
 def check_run(trainer: Any) -> None:
-    """The run's logging, resumption and length."""
-    try:
-        check_backends(trainer.logger)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    check_resume(trainer)
-    if trainer.total_training_steps is None and int(trainer.total_epochs) < 1:
-        raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
+    """The run's logging, resumption and length, its counts in range; all of their errors together."""
+    errors = ConfigErrors()
+    with errors.catch():
+        try:
+            check_backends(trainer.logger)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    errors.run(check_resume, trainer)
+    with errors.catch():
+        if trainer.total_training_steps is None and int(trainer.total_epochs) < 1:
+            raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
+    for key, hint in (("critic_warmup", "steps that train the critic alone"),
+                      ("log_val_generations", "0: none")):
+        errors.run(check_non_negative, trainer[key], f"trainer.{key}", hint)
+    for key in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+        with errors.catch():
+            if trainer[key] is not None and int(trainer[key]) < 1:
+                raise ConfigError(f"trainer.{key} must be a number of step folders >= 1, or null to keep all, "
+                                  f"got {trainer[key]}")
+    errors.raise_any()
+
+
+def check_ray_init(ray_init: Any) -> None:
+    if ray_init.num_cpus is not None:
+        check_positive(ray_init.num_cpus, "ray_init.num_cpus")
 
 
 def check_resume(trainer: Any) -> None:

@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from hflow import CONFIG_DIR
-from hflow.config_schema import ConfigError, check_override_key
+from hflow.config_schema import ConfigError, ConfigErrors, check_override_key
 from hflow.sandbox import sandbox_env
 from hflow.tasks.defaults import fill_builtin_defaults
 from hflow.trainer.config import SCHEMAS, validate_config
@@ -151,7 +151,8 @@ def hflow_main(config_name: str):
 def check_command_line(argv: list[str], schema: type) -> None:
     """Every `key=value` or `~key` of `argv` reads as an override and names a key of `schema`. Hydra's
     own options and keys (`hydra.*`, config groups) pass, and so do `+key=value` additions, which
-    `validate_config` judges once Hydra has added them."""
+    `validate_config` judges once Hydra has added them. Every argument is checked: the errors of several
+    come as one, a numbered line each."""
     from hydra._internal.utils import get_args_parser  # the parser hydra.main itself reads argv with
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -169,18 +170,21 @@ def check_command_line(argv: list[str], schema: type) -> None:
     if args.config_name or args.config_path or args.config_dir:
         return  # another configuration than `schema` describes
     parser = OverridesParser.create()
+    errors = ConfigErrors()
     for text in args.overrides:
         try:
             [override] = parser.parse_overrides([text])
         except OverrideParseException as err:
             reason = "; ".join(line for line in str(err).splitlines()
                                if line and not line.startswith(("Error parsing override", "See https://")))
-            raise ConfigError(f"cannot read the command-line argument {text!r} ({reason}); write it as "
-                              "key=value (https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+            errors.add(ConfigError(f"cannot read the command-line argument {text!r} ({reason}); write it as "
+                                   "key=value (https://hydra.cc/docs/advanced/override_grammar/basic)"))
+            continue
         key = override.key_or_group
         if override.is_add() or override.is_force_add() or key.startswith("hydra.") or "/" in key:
             continue
-        check_override_key(key, schema)
+        errors.run(check_override_key, key, schema)
+    errors.raise_any()
 
 
 @hflow_main("ppo_trainer")

@@ -21,15 +21,23 @@ from hflow.algorithms import core_algos
 from hflow.algorithms.config import (
     GROUP_ESTIMATORS,
     check_adv_estimator,
+    check_discount,
     check_kl_in_reward,
     check_old_log_probs,
     check_reward_clip,
 )
-from hflow.config_schema import ConfigError, check_choice, check_positive
-from hflow.reward.config import check_custom_reward_on_error, check_custom_reward_path, check_reward_normalize
+from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_positive
+from hflow.reward.config import (
+    check_custom_reward_on_error,
+    check_custom_reward_path,
+    check_custom_reward_settings,
+    check_reward_model_settings,
+    check_reward_normalize,
+)
 from hflow.trainer.config import (
     check_memory_plan_keys,
     check_placement,
+    check_ray_init,
     check_reward_audit,
     check_run,
     check_world,
@@ -43,6 +51,7 @@ from hflow.trainer.resume import check_resume_origin
 from hflow.utils.dataset.config import check_data, data_files
 from hflow.workers.config import (
     check_actor_losses,
+    check_actor_ranges,
     check_ema,
     check_lora,
     check_model_path,
@@ -63,88 +72,131 @@ from hflow.workers.rollout.config import (
 
 
 def preflight_check(config: DictConfig) -> None:
-    """All checks that need nothing but the config and the file system (fast: no model is loaded)."""
+    """All checks that need nothing but the config and the file system (fast: no model is loaded).
+
+    The checks of the settings alone run each on its own and report their errors together, as one
+    `ConfigError` with a numbered line per error (`ConfigErrors`); a check that needs an earlier one to
+    have passed (a file that must exist before it is read, the ranks before the batch sizes that split
+    over them) runs only when it did. Then, on a configuration without errors, the checks that call or
+    try something (the sandbox, the reward, the audit, the memory plan), one after the other."""
     data, arr, algo, trainer = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
     actor, rollout = arr.actor, arr.rollout
     gae = algo.adv_estimator == "gae"  # a critic is trained
+    errors = ConfigErrors()
+    run = errors.run
 
-    check_world(trainer)
+    world_ok = run(check_world, trainer)
+    n_ok = run(check_rollout_n, rollout)
     n = int(rollout.n)
-    if n < 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
-    check_sizes(config)
+    sizes_ok = run(check_sizes, config)
 
     # each section on its own
-    check_data(data)
-    check_optim(actor.optim, "actor_rollout_ref.actor.optim")
-    check_offload(actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
-    check_offload(arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config")
-    resolve_gpu_memory_utilization(rollout.gpu_memory_utilization, False,
-                                   "actor_rollout_ref.rollout.gpu_memory_utilization")
-    check_model_path(arr.model.path, "actor_rollout_ref.model.path")
-    check_tokenizer_path(arr.model, "actor_rollout_ref.model")
-    check_lora(arr, "actor_rollout_ref")
-    check_health_config(config)
-    check_reward_function(config)
-    check_adv_estimator(algo)
-    check_actor_losses(actor)
-    check_kl_in_reward(algo)
-    check_rollout_name(rollout.name)
-    check_old_log_probs(algo)
-    check_reuse_is_on_policy(config)
-    if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
-        raise ConfigError("algorithm.use_rollout_log_probs=true needs actor_rollout_ref.rollout.calculate_log_probs=true")
-    check_rollout_is(algo, rollout)
-    if rollout.multi_turn.enable:
-        check_multi_turn(rollout.multi_turn)
+    data_ok = run(check_data, data)
+    run(check_optim, actor.optim, "actor_rollout_ref.actor.optim")
+    run(check_offload, actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
+    run(check_offload, arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config")
+    run(resolve_gpu_memory_utilization, rollout.gpu_memory_utilization, False,
+        "actor_rollout_ref.rollout.gpu_memory_utilization")
+    model_ok = run(check_model_path, arr.model.path, "actor_rollout_ref.model.path")
+    if model_ok:
+        model_ok = run(check_tokenizer_path, arr.model, "actor_rollout_ref.model")
+    run(check_lora, arr, "actor_rollout_ref")
+    run(check_health_config, config)
+    run(check_reward_function, config)
+    run(check_custom_reward_settings, config.custom_reward_function)
+    run(check_adv_estimator, algo)
+    run(check_discount, algo)
+    run(check_actor_losses, actor)
+    run(check_actor_ranges, actor)
+    run(check_kl_in_reward, algo)
+    run(check_rollout_name, rollout.name)
+    run(check_old_log_probs, algo)
+    run(check_reuse_is_on_policy, config)
+    with errors.catch():
+        if algo.use_rollout_log_probs and not rollout.calculate_log_probs:
+            raise ConfigError("algorithm.use_rollout_log_probs=true needs "
+                              "actor_rollout_ref.rollout.calculate_log_probs=true")
+    run(check_rollout_is, algo, rollout)
+    if rollout.multi_turn.enable and run(check_multi_turn, rollout.multi_turn):
         from hflow.workers.rollout.multi_turn import load_rollout_tools
 
-        load_rollout_tools(rollout.multi_turn)  # the tools load now: ConfigError naming the file, the tool and the key
+        # the tools load now: ConfigError naming the file, the tool and the key
+        run(load_rollout_tools, rollout.multi_turn)
     if gae:
-        check_critic(config.critic)
-    check_rlhf_actor_details(config)
-    if algo.adv_estimator in GROUP_ESTIMATORS and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: set "
-            f"actor_rollout_ref.rollout.n >= 2 (it is {n})")
+        run(check_critic, config.critic)
+    run(check_rlhf_actor_details, config)
+    with errors.catch():
+        if n_ok and algo.adv_estimator in GROUP_ESTIMATORS and n < 2:
+            raise ConfigError(
+                f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: set "
+                f"actor_rollout_ref.rollout.n >= 2 (it is {n})")
+    run(check_ray_init, config.ray_init)
 
-    # placement: which ranks train and which generate
-    batch = int(data.train_batch_size)
-    tp = int(rollout.tensor_model_parallel_size)
-    world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
-    check_node_resources(config)
-    check_asynchrony(config)
+    # placement (which ranks train and which generate), then the batch sizes that split over them
+    # (global prompts -> per-rank sequences): one chain, each link on the ones before it
+    if world_ok and n_ok and sizes_ok:
+        run(check_placement_and_batches, config)
+    if int(trainer.async_steps) >= 0:  # a negative one: check_placement's error
+        run(check_asynchrony, config)
 
-    # batch sizes (global prompts -> per-rank sequences)
-    check_train_batch(batch, n, world)
-    check_update_batches(actor, batch, n, world, "actor_rollout_ref.actor", "actor_rollout_ref.rollout.n")
-    if gae:
-        check_critic_batches(config.critic, batch, n, world)
-    check_tensor_parallel(tp, rollout_world)
-
-    check_context_length(config)
-    check_sampling(rollout)
+    if model_ok and sizes_ok:
+        run(check_context_length, config)
+    run(check_sampling, rollout)
 
     # the run, the reward
-    check_run(trainer)
-    check_resumed_models(config)
+    if run(check_run, trainer) and model_ok:
+        run(check_resumed_models, config)
     if config.reward_model.enable:
-        check_model_path(config.reward_model.model.path, "reward_model.model.path")
+        run(check_model_path, config.reward_model.model.path, "reward_model.model.path")
         from hflow.reward.judge import check_judge_config
 
-        check_judge_config(config.reward_model)
-    check_reward_shaping(config)
-    check_dapo_config(config)  # algorithm.filter_groups, reward_model.overlong_buffer
-    check_custom_reward_on_error(config.custom_reward_function)
-    check_reward_sources(config)
+        run(check_judge_config, config.reward_model)
+    run(check_reward_model_settings, config.reward_model)
+    if model_ok:
+        run(check_reward_shaping, config)
+    else:
+        run(check_reward_clip, algo)
+        run(check_reward_normalize, config.reward_model)
+    if sizes_ok and n_ok:
+        run(check_dapo_config, config)  # algorithm.filter_groups, reward_model.overlong_buffer
+    run(check_custom_reward_on_error, config.custom_reward_function)
+    if data_ok:
+        run(check_reward_sources, config)
+    if trainer.reward_audit:
+        run(check_reward_audit, trainer)
+    run(check_memory_plan_keys, trainer)
+    errors.raise_any()
+
+    # on a configuration without errors: what calls or tries something, one after the other
     check_code_isolation(config)  # code tools / code rewards: the sandbox isolates, or the run stops here
     probe_reward(config)  # the reward scores a few validation rows in time, or the run stops here
     if trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
-        check_reward_audit(trainer)
         from hflow.reward.audit import check_reward_before_training
 
         check_reward_before_training(config)
     check_memory(config)
+
+
+def check_rollout_n(rollout: DictConfig) -> None:
+    n = int(rollout.n)
+    if n < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n must be >= 1, got {n}")
+
+
+def check_placement_and_batches(config: DictConfig) -> None:
+    """`trainer.placement` and the node's resources, then the training batch, the actor's (and critic's)
+    mini- and micro-batches and the tensor-parallel groups against the ranks the placement gives."""
+    data, arr, trainer = config.data, config.actor_rollout_ref, config.trainer
+    rollout, n = arr.rollout, int(arr.rollout.n)
+    batch = int(data.train_batch_size)
+    tp = int(rollout.tensor_model_parallel_size)
+    world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
+    check_node_resources(config)
+    check_train_batch(batch, n, world)
+    check_update_batches(arr.actor, batch, n, world, "actor_rollout_ref.actor", "actor_rollout_ref.rollout.n")
+    if config.algorithm.adv_estimator == "gae":
+        check_critic_batches(config.critic, batch, n, world)
+    check_tensor_parallel(tp, rollout_world)
 
 
 # ==================================================================================================

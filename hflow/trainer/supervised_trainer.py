@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
-from hflow.config_schema import ConfigError, check_choice, check_positive
+from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_positive
 from hflow.workers.config import check_offload, check_optim
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs
@@ -32,45 +32,57 @@ __all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
 
 
 def check_stage_config(config: DictConfig, stage: str) -> None:
-    """Impossible settings of a supervised stage, before Ray starts or any model loads."""
+    """Impossible settings of a supervised stage, before Ray starts or any model loads; the errors of the
+    independent checks together (`ConfigErrors`), a check that reads what an earlier one vouches for
+    (the resumed checkpoint's model, the tokenizer of the model folder, the ranks) only when that passed."""
     from hflow.trainer.config import check_resume
     from hflow.trainer.preflight import check_node_resources
     from hflow.utils.dataset.config import check_data_files
     from hflow.workers.config import check_model_path, check_tokenizer_path
 
     data, trainer = config.data, config.trainer
+    errors = ConfigErrors()
     world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
-    check_choice(trainer.backend, ("ray", "local"), "trainer.backend")
-    if world < 1:
-        raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
-    if trainer.backend == "local" and world != 1:
-        raise ConfigError(f"trainer.backend=local runs one rank, but trainer.n_gpus_per_node x trainer.nnodes = {world}; "
-                          "set trainer.n_gpus_per_node=1 trainer.nnodes=1")
-    check_choice(data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
-    check_resume(trainer)
-    step_dir = StepCheckpoints(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path).find()
-    line = check_resume_origin(step_dir, "model", "model.path", config.model.path)
-    if line:
-        print(line, flush=True)
+    errors.run(check_choice, trainer.backend, ("ray", "local"), "trainer.backend")
+    with errors.catch() as world_errors:
+        if world < 1:
+            raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes must be >= 1, got {world}")
+        if trainer.backend == "local" and world != 1:
+            raise ConfigError(f"trainer.backend=local runs one rank, but trainer.n_gpus_per_node x trainer.nnodes = "
+                              f"{world}; set trainer.n_gpus_per_node=1 trainer.nnodes=1")
+    errors.run(check_choice, data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
+    sizes_ok = True
     for key in ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "trainer.total_epochs"):
-        check_positive(OmegaConf.select(config, key), key)
-    check_node_resources(config)
+        sizes_ok &= errors.run(check_positive, OmegaConf.select(config, key), key)
+    if not world_errors:
+        errors.run(check_node_resources, config)
     unit = "conversations" if stage == "sft" else "preference rows"
-    if int(data.train_batch_size) % world:
-        raise ConfigError(f"data.train_batch_size={data.train_batch_size} {unit} do not split evenly over {world} "
-                          "workers (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple")
-    check_optim(config.optim, "optim")
-    if config.optim.grad_clip is not None and config.optim.grad_clip <= 0:
-        raise ConfigError(f"optim.grad_clip must be positive, got {config.optim.grad_clip}")
-    check_offload(config.model.fsdp_config, "model.fsdp_config")
-    try:
-        check_backends(trainer.logger)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    check_data_files(data.train_files, "data.train_files")
-    check_data_files(data.val_files, "data.val_files")
-    check_model_path(config.model.path, "model.path")
-    check_tokenizer_path(config.model, "model")
+    with errors.catch():
+        if not world_errors and sizes_ok and int(data.train_batch_size) % world:
+            raise ConfigError(f"data.train_batch_size={data.train_batch_size} {unit} do not split evenly over {world} "
+                              "workers (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple")
+    errors.run(check_optim, config.optim, "optim")
+    with errors.catch():
+        if config.optim.grad_clip is not None and config.optim.grad_clip <= 0:
+            raise ConfigError(f"optim.grad_clip must be positive, got {config.optim.grad_clip}")
+    errors.run(check_offload, config.model.fsdp_config, "model.fsdp_config")
+    with errors.catch():
+        try:
+            check_backends(trainer.logger)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    errors.run(check_data_files, data.train_files, "data.train_files")
+    errors.run(check_data_files, data.val_files, "data.val_files")
+    model_ok = errors.run(check_model_path, config.model.path, "model.path")
+    if model_ok:
+        errors.run(check_tokenizer_path, config.model, "model")
+    if errors.run(check_resume, trainer) and model_ok:
+        with errors.catch():
+            step_dir = StepCheckpoints(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path).find()
+            line = check_resume_origin(step_dir, "model", "model.path", config.model.path)
+            if line:
+                print(line, flush=True)
+    errors.raise_any()
 
 
 class SupervisedTrainer:

@@ -49,7 +49,9 @@ class FileFunction:
 
     Pickles as (path, name, kwargs), and the unpickling process loads the file itself: functions of
     a file loaded by path cannot be pickled by reference. Call-time keyword arguments override the
-    bound ones. `config_key` names the config section in error messages.
+    bound ones. `config_key` names the config section in error messages, whose keys `.path` and `.name`
+    hold the file and the function; `spec_key`, where one key holds both as "file.py:name" (a tool's
+    `function`), is the key they name instead.
     """
 
     def __init__(
@@ -58,11 +60,13 @@ class FileFunction:
         name: str,
         kwargs: dict[str, Any] | None = None,
         config_key: str = "custom_reward_function",
+        spec_key: str | None = None,
     ) -> None:
         self.path = os.path.abspath(os.path.expanduser(str(path)))
         self.name = name
         self.kwargs = dict(kwargs or {})
         self.config_key = config_key
+        self.spec_key = spec_key
         self._fn = self._load()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -84,24 +88,32 @@ class FileFunction:
         self._fn = self._load()
 
     def _load(self) -> Callable[..., Any]:
+        spec_key = getattr(self, "spec_key", None)  # (absent from a state pickled before it existed)
+        if spec_key:  # one key, "file.py:name": the messages name it and what to write there
+            name_key, fix = spec_key, f"name the function to call after the ':' of {spec_key}"
+        else:
+            name_key, fix = f"{self.config_key}.name", f"set {self.config_key}.name to the function to call"
         if not os.path.isfile(self.path):
-            raise UserFileNotFoundError(f"{self.config_key}.path={self.path!r}: no such file")
-        module = LOADED_FILES.get(self.path) or exec_file(self.path, self.config_key)
+            where = spec_key or f"{self.config_key}.path"
+            raise UserFileNotFoundError(f"{where}={self.path!r}: no such file")
+        module = LOADED_FILES.get(self.path) or exec_file(self.path, self.config_key, spec_key)
         fn = getattr(module, self.name, None)
         if fn is None:
             defined = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith("_"))
             raise UserFunctionNotFoundError(
-                f"{self.config_key}.name={self.name!r}: {self.path} defines no such function "
-                f"(it defines {defined}); set {self.config_key}.name to the function to call"
+                f"{name_key}: {self.path} defines no such function {self.name!r} (it defines {defined}); {fix}"
+                if spec_key else
+                f"{name_key}={self.name!r}: {self.path} defines no such function (it defines {defined}); {fix}"
             )
         if not callable(fn):
             raise UserFunctionNotCallableError(
-                f"{self.config_key}.name={self.name!r}: {self.path} defines it, but it is not a function; "
-                f"set {self.config_key}.name to the function to call")
+                f"{name_key}: {self.path} defines {self.name!r}, but it is not a function; {fix}"
+                if spec_key else
+                f"{name_key}={self.name!r}: {self.path} defines it, but it is not a function; {fix}")
         return fn
 
 
-def exec_file(path: str, config_key: str) -> ModuleType:
+def exec_file(path: str, config_key: str, spec_key: str | None = None) -> ModuleType:
     # A stable module name per file, so classes defined there pickle between processes.
     module_name = "hflow_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -115,9 +127,10 @@ def exec_file(path: str, config_key: str) -> ModuleType:
         # SyntaxError's own message names the line; its frames are the compiler's, not the file's).
         lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == path]
         where = f" at line {lines[-1]}" if lines else ""
+        key = spec_key or f"{config_key}.path"
         raise UserFileImportError(
-            f"{config_key}.path={path!r}: importing the file failed{where} with {type(exc).__name__}: {exc}; "
-            f"fix the file, or set {config_key}.path to another one"
+            f"{key}={path!r}: importing the file failed{where} with {type(exc).__name__}: {exc}; "
+            f"fix the file, or set {key} to another one"
         ) from exc
     LOADED_FILES[path] = module
     return module

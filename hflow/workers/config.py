@@ -26,7 +26,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from hflow.algorithms import core_algos
 from hflow.algorithms.config import KL_TYPES, LOSS_AGG_MODES
-from hflow.config_schema import WORLD_KEYS, ConfigError, check_choice, check_positive, ref
+from hflow.config_schema import (
+    WORLD_KEYS,
+    ConfigError,
+    ConfigErrors,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_positive_number,
+    ref,
+)
 from hflow.workers.rollout.config import (
     RolloutConfig,
     check_rollout_name,
@@ -73,18 +82,26 @@ class FSDPConfig:
 
 def check_optim(optim: Any, prefix: str) -> None:
     """An `optim` section that AdamW and the schedule accept (unchecked, a bad value fails in every worker
-    after Ray started, as torch's "Invalid learning rate", or silently trains nothing at lr=0)."""
-    if not float(optim.lr) > 0:
-        raise ConfigError(f"{prefix}.lr must be > 0 (e.g. 1e-6), got {optim.lr}")
-    betas = list(optim.betas)
-    if len(betas) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
-        raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (e.g. [0.9, 0.999]), got {betas}")
-    if float(optim.weight_decay) < 0:
-        raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay}")
-    check_choice(optim.warmup_style, WARMUP_STYLES, f"{prefix}.warmup_style")
+    after Ray started, as torch's "Invalid learning rate", or silently trains nothing at lr=0); all of its
+    errors together."""
+    errors = ConfigErrors()
+    with errors.catch():
+        if not float(optim.lr) > 0:
+            raise ConfigError(f"{prefix}.lr must be > 0 (e.g. 1e-6), got {optim.lr}")
+    with errors.catch():
+        betas = list(optim.betas)
+        if len(betas) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
+            raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (e.g. [0.9, 0.999]), got {betas}")
+    with errors.catch():
+        if float(optim.weight_decay) < 0:
+            raise ConfigError(f"{prefix}.weight_decay must be >= 0, got {optim.weight_decay}")
+    errors.run(check_choice, optim.warmup_style, WARMUP_STYLES, f"{prefix}.warmup_style")
     for key in ("lr_warmup_steps_ratio", "min_lr_ratio"):
-        if not 0.0 <= float(optim[key]) <= 1.0:
-            raise ConfigError(f"{prefix}.{key} must be in [0, 1], got {optim[key]}")
+        with errors.catch():
+            if not 0.0 <= float(optim[key]) <= 1.0:
+                raise ConfigError(f"{prefix}.{key} must be in [0, 1], got {optim[key]}")
+    errors.run(check_non_negative, optim.num_cycles, f"{prefix}.num_cycles", "cosine periods over the run")
+    errors.raise_any()
 
 
 def check_offload(fsdp_config: Any, prefix: str) -> None:
@@ -245,6 +262,24 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+def check_actor_ranges(actor: Any) -> None:
+    """The actor's loss settings in range: clip ratios > 0 (the dual clip's c > 1), the gradient norm
+    clip > 0, the KL and entropy coefficients >= 0; all of their errors together."""
+    prefix = "actor_rollout_ref.actor"
+    errors = ConfigErrors()
+    errors.run(check_positive_number, actor.grad_clip, f"{prefix}.grad_clip", "the largest gradient norm")
+    errors.run(check_positive_number, actor.clip_ratio, f"{prefix}.clip_ratio", "PPO's clip range, e.g. 0.2")
+    for key in ("clip_ratio_low", "clip_ratio_high"):
+        errors.run(check_positive_number, actor[key], f"{prefix}.{key}", "null: clip_ratio", null_ok=True)
+    with errors.catch():
+        if not float(actor.clip_ratio_c) > 1:
+            raise ConfigError(f"{prefix}.clip_ratio_c must be > 1 (the dual clip's lower bound on negative "
+                              f"advantages, e.g. 3), got {actor.clip_ratio_c}")
+    errors.run(check_non_negative, actor.kl_loss_coef, f"{prefix}.kl_loss_coef")
+    errors.run(check_non_negative, actor.entropy_coeff, f"{prefix}.entropy_coeff", "0: no entropy bonus")
+    errors.raise_any()
 
 
 def check_actor_losses(actor: Any) -> None:

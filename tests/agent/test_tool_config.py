@@ -208,6 +208,20 @@ def test_function_file_missing_or_lacking_the_name(folder):
     """ + WORD_COUNT_SCHEMA, "tools[0].function must be 'path/to/file.py:function_name'")
 
 
+def test_a_missing_function_names_the_key_the_tool_yaml_has(folder):
+    """Issue 39: the error named tools[0].function.name, a key the tool YAML does not have; the name is written
+    after the ':' of tools[0].function."""
+    for spec in ("fns/my_fns.py:word_counter", "fns/my_fns.py:NOT_A_FUNCTION"):
+        with pytest.raises(ConfigError) as err:
+            load_tools(write(folder, """
+        tools:
+          - function: %s
+    """ % spec + WORD_COUNT_SCHEMA))
+        message = str(err.value)
+        assert "tools[0].function: " in message and "after the ':' of tools[0].function" in message, message
+        assert "function.name" not in message and "function.path" not in message, message
+
+
 def test_function_file_that_fails_to_import(folder):
     (folder / "fns" / "broken.py").write_text("x = 1\nraise RuntimeError('boom')\n")
     expect_error(folder, """

@@ -185,6 +185,43 @@ def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept(tm
         check_command_line(["dataa.train_batch_size=8"], PPOTrainerConfig)
 
 
+def test_several_bad_keys_of_one_command_are_reported_together():
+    from hflow.config_schema import ConfigError
+    from hflow.trainer.config import PPOTrainerConfig
+    from hflow.trainer.main_ppo import check_command_line
+
+    with pytest.raises(ConfigError) as err:
+        check_command_line(["data.train_batchsize=8", "actor_rollout_ref.rollout.temprature=0.7",
+                            "trainer.total_epochs=2", "data.max_prompt_length"], PPOTrainerConfig)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("3 problems"), str(err.value)
+    assert lines[1].startswith("  1. data.train_batchsize is not a configuration key; did you mean data.train_batch_size?")
+    assert lines[2].startswith("  2. actor_rollout_ref.rollout.temprature is not a configuration key; did you mean "
+                               "actor_rollout_ref.rollout.temperature?")
+    assert lines[3].startswith("  3. cannot read the command-line argument 'data.max_prompt_length'")
+
+
+def test_the_issues_health_settings_end_in_one_error_naming_each_before_ray_starts(builtin, tmp_path):
+    """Issue 39: remedy=lr_scale lr_scale=-1 (gradient ascent after a rollback), zero_adv_group_frac=50,
+    clip_scale=0 and a negative tool-result limit, all in one command: one `hflow: error:` naming each, in
+    seconds, before Ray starts."""
+    started = time.monotonic()
+    code, output, daemons = main_ppo(
+        tmp_path, "trainer.health.enable=true", "trainer.health.remedy=lr_scale", "trainer.health.lr_scale=-1",
+        "trainer.health.zero_adv_group_frac=50", "trainer.health.clip_scale=0",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5")
+    assert time.monotonic() - started < 60, output  # the interpreter and imports are most of it
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    message = output[output.index("hflow: error: "):]
+    assert message.startswith("hflow: error: 4 problems in the configuration"), output[-3000:]
+    for key in ("trainer.health.lr_scale", "trainer.health.zero_adv_group_frac", "trainer.health.clip_scale",
+                "multi_turn.max_tool_response_length=-5"):
+        assert key in message, (key, message)
+    assert "Started a local Ray instance" not in output
+    assert not daemons
+
+
 # --------------------------------------------------------------------------------------------- console
 
 # What differs between two prints of the same message: Ray's and vLLM's process prefixes, time stamps,

@@ -176,12 +176,35 @@ def test_rollbacks_in_a_row_and_remedies():
     ("inject", [{"step": 0, "kind": "reward", "value": 0}], r"inject\[0\].step"),
     ("inject", [{"step": 2, "kind": "explode"}], r"inject\[0\]"),
     ("inject", [{"step": 2, "kind": "lr_scale"}], r"inject\[0\].value"),
+    # the issue's inputs (39): each accepted before, a negative learning rate after a rollback among them
+    ("lr_scale", -1.0, r"trainer.health.lr_scale must be a factor in \(0, 1\]"),
+    ("clip_scale", 0.0, r"trainer.health.clip_scale must be a factor in \(0, 1\]"),
+    ("zero_adv_group_frac", 50.0, r"trainer.health.zero_adv_group_frac must be a fraction in \(0, 1\]"),
+    ("max_length_frac", 1.5, r"trainer.health.max_length_frac"),
+    ("entropy_min", -0.1, r"trainer.health.entropy_min must be >= 0"),
+    ("ppo_kl_max", -1.0, r"trainer.health.ppo_kl_max must be > 0"),
+    ("rollout_probs_diff_max", 0.0, r"trainer.health.rollout_probs_diff_max"),
+    ("grad_norm_zscore", 0.0, r"trainer.health.grad_norm_zscore must be > 0 or null"),
 ])
 def test_bad_health_settings_name_the_key(key, value, message):
     config = default_config()
     setattr(config.trainer.health, key, value)
     with pytest.raises(ConfigError, match=message):
         check_health_config(config)
+
+
+def test_bad_health_settings_are_reported_together():
+    """remedy=lr_scale lr_scale=-1, zero_adv_group_frac=50, clip_scale=0 in one command: one error, each key named."""
+    config = default_config()
+    health = config.trainer.health
+    health.remedy, health.lr_scale, health.zero_adv_group_frac, health.clip_scale = "lr_scale", -1.0, 50.0, 0.0
+    with pytest.raises(ConfigError) as err:
+        check_health_config(config)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("3 problems"), str(err.value)
+    for number, key in enumerate(["lr_scale", "clip_scale", "zero_adv_group_frac"], 1):
+        assert any(line.startswith(f"  {number}. trainer.health.") for line in lines), str(err.value)
+        assert sum(f"trainer.health.{key} " in line for line in lines) == 1, (key, str(err.value))
 
 
 def test_the_watch_refuses_what_it_cannot_restore():

@@ -154,3 +154,156 @@ def test_split_placement_passes_and_divides_the_nodes(files):
     assert placement_pools(2, 8, "split", 4) == ([8, 4], [4])
     assert placement_pools(2, 8, "split", 10) == ([6], [2, 8])
     assert placement_pools(2, 1, "split", 1) == ([1], [1])
+
+
+# ---- ranges (issue 39, item 3): every numeric setting with a natural range is checked before the run --------
+
+RANGES = [
+    # the issue's inputs: the health watch
+    (["trainer.health.remedy=lr_scale", "trainer.health.lr_scale=-1"], ["trainer.health.lr_scale", "(0, 1]", "-1"]),
+    (["trainer.health.zero_adv_group_frac=50"], ["trainer.health.zero_adv_group_frac", "(0, 1]", "50"]),
+    (["trainer.health.clip_scale=0"], ["trainer.health.clip_scale", "(0, 1]"]),
+    (["trainer.health.max_length_frac=0"], ["trainer.health.max_length_frac"]),
+    (["trainer.health.rollout_probs_diff_max=2"], ["trainer.health.rollout_probs_diff_max"]),
+    (["trainer.health.entropy_min=-1"], ["trainer.health.entropy_min", ">= 0"]),
+    (["trainer.health.ppo_kl_max=0"], ["trainer.health.ppo_kl_max", "> 0"]),
+    (["trainer.health.grad_norm_zscore=-3"], ["trainer.health.grad_norm_zscore"]),
+    # the issue's input: multi-turn limits
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5"],
+     ["actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5", "null for no limit"]),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=0"],
+     ["max_tool_response_length=0"]),
+    # reward: timeouts, retries, batch sizes (the remote scorer's whether or not .url is set)
+    (["custom_reward_function.timeout_s=0"], ["custom_reward_function.timeout_s=0", "null for no limit"]),
+    (["custom_reward_function.request_timeout_s=-1"], ["custom_reward_function.request_timeout_s"]),
+    (["custom_reward_function.max_retries=-1"], ["custom_reward_function.max_retries=-1", ">= 0"]),
+    (["custom_reward_function.batch_size=0"], ["custom_reward_function.batch_size=0", ">= 1"]),
+    (["custom_reward_function.max_concurrency=0"], ["custom_reward_function.max_concurrency"]),
+    (["reward_model.overlong_buffer.penalty_factor=-1"], ["reward_model.overlong_buffer.penalty_factor"]),
+    (["reward_model.enable=true", "reward_model.style=generative", "reward_model.judge.score_min=5",
+      "reward_model.judge.score_max=1"], ["reward_model.judge.score_min=5 must be < reward_model.judge.score_max=1"]),
+    (["reward_model.enable=true", "reward_model.style=generative", "reward_model.judge.gpu_memory_utilization=0"],
+     ["reward_model.judge.gpu_memory_utilization"]),
+    # sampling
+    (["actor_rollout_ref.rollout.top_p=0"], ["actor_rollout_ref.rollout.top_p", "(0, 1]"]),
+    (["actor_rollout_ref.rollout.val_kwargs.top_p=1.5"], ["actor_rollout_ref.rollout.val_kwargs.top_p"]),
+    (["actor_rollout_ref.rollout.top_k=-5"], ["actor_rollout_ref.rollout.top_k", "-1 (off)"]),
+    (["actor_rollout_ref.rollout.val_kwargs.temperature=-1"], ["actor_rollout_ref.rollout.val_kwargs.temperature"]),
+    (["actor_rollout_ref.rollout.kv_cache_memory_bytes=0"], ["actor_rollout_ref.rollout.kv_cache_memory_bytes"]),
+    # the actor's and critic's losses, the optimizer
+    (["actor_rollout_ref.actor.clip_ratio=0"], ["actor_rollout_ref.actor.clip_ratio", "> 0"]),
+    (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], ["actor_rollout_ref.actor.clip_ratio_high"]),
+    (["actor_rollout_ref.actor.clip_ratio_c=1"], ["actor_rollout_ref.actor.clip_ratio_c", "> 1"]),
+    (["actor_rollout_ref.actor.grad_clip=0"], ["actor_rollout_ref.actor.grad_clip"]),
+    (["actor_rollout_ref.actor.kl_loss_coef=-1"], ["actor_rollout_ref.actor.kl_loss_coef"]),
+    (["actor_rollout_ref.actor.optim.num_cycles=-1"], ["actor_rollout_ref.actor.optim.num_cycles"]),
+    (["critic.cliprange_value=0"], ["critic.cliprange_value"]),
+    (["critic.grad_clip=-1"], ["critic.grad_clip"]),
+    # the algorithm
+    (["algorithm.gamma=1.5"], ["algorithm.gamma", "[0, 1]"]),
+    (["algorithm.lam=-0.5"], ["algorithm.lam"]),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=-1"], ["algorithm.kl_ctrl.kl_coef"]),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
+     ["algorithm.kl_ctrl.horizon"]),
+    # the run
+    (["trainer.max_actor_ckpt_to_keep=-1"], ["trainer.max_actor_ckpt_to_keep", "null to keep all"]),
+    (["trainer.critic_warmup=-1"], ["trainer.critic_warmup"]),
+    (["trainer.log_val_generations=-1"], ["trainer.log_val_generations"]),
+    (["ray_init.num_cpus=0"], ["ray_init.num_cpus"]),
+]
+
+
+@pytest.mark.parametrize("overrides,named", RANGES, ids=[" ".join(o) for o, _ in RANGES])
+def test_a_setting_out_of_its_range_fails_in_preflight_naming_the_key(files, overrides, named):
+    with pytest.raises(ConfigError) as err:
+        preflight_check(make_config(files, *overrides))
+    for word in named:
+        assert word in str(err.value), f"{word!r} not in: {err.value}"
+
+
+def test_an_entropy_floor_the_model_cannot_reach_is_refused(files, tmp_path):
+    """The issue's trainer.health.entropy_min=100: above ln(vocab_size), the watch would fire at every step."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "vocab_size": 1000}))
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer_config.json").write_text("{}")
+    for value in ("100", "6.91"):  # ln(1000) = 6.908
+        with pytest.raises(ConfigError, match=r"trainer\.health\.entropy_min=.* ln\(1000\) = 6\.91"):
+            preflight_check(make_config(files, f"actor_rollout_ref.model.path={model}",
+                                        f"trainer.health.entropy_min={value}"))
+    preflight_check(make_config(files, f"actor_rollout_ref.model.path={model}", "trainer.health.entropy_min=0.05"))
+
+
+def test_nulls_and_edges_of_the_ranges_pass(files):
+    preflight_check(make_config(
+        files, "trainer.health.zero_adv_group_frac=1", "trainer.health.max_length_frac=0.5",
+        "trainer.health.lr_scale=1", "trainer.health.clip_scale=0.1", "trainer.health.entropy_min=0",
+        "trainer.health.grad_norm_zscore=null", "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=null", "custom_reward_function.timeout_s=null",
+        "custom_reward_function.max_retries=0", "actor_rollout_ref.rollout.top_k=0", "algorithm.gamma=0",
+        "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0"))
+
+
+# ---- all errors of one command together (issue 39, item 3) -------------------------------------------------
+
+
+def test_the_errors_of_one_command_come_together_numbered_each_naming_its_key(files):
+    config = make_config(files, "trainer.health.remedy=lr_scale", "trainer.health.lr_scale=-1",
+                         "trainer.health.zero_adv_group_frac=50", "trainer.health.clip_scale=0",
+                         "actor_rollout_ref.rollout.multi_turn.enable=true",
+                         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5",
+                         "data.max_prompt_length=0", "custom_reward_function.timeout_s=-1",
+                         "actor_rollout_ref.actor.optim.lr=0")
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config)
+    lines = str(err.value).splitlines()
+    keys = ["trainer.health.lr_scale", "trainer.health.zero_adv_group_frac", "trainer.health.clip_scale",
+            "multi_turn.max_tool_response_length", "data.max_prompt_length", "custom_reward_function.timeout_s",
+            "actor_rollout_ref.actor.optim.lr"]
+    assert lines[0] == f"{len(keys)} problems in the configuration; fix each of them:", str(err.value)
+    for number, line in enumerate(lines[1:], 1):
+        assert line.startswith(f"  {number}. "), str(err.value)
+    for key in keys:  # each on a line of its own, once
+        assert sum(key in line for line in lines[1:]) == 1, (key, str(err.value))
+
+
+def test_two_bad_values_are_named_in_one_error(files):
+    with pytest.raises(ConfigError) as err:
+        preflight_check(make_config(files, "trainer.health.entropy_min=-1", "algorithm.gamma=2"))
+    assert "2 problems" in str(err.value)
+    assert "trainer.health.entropy_min" in str(err.value) and "algorithm.gamma" in str(err.value)
+
+
+def test_one_error_keeps_its_own_message_and_type(files):
+    with pytest.raises(ConfigError) as err:
+        preflight_check(make_config(files, "algorithm.gamma=2"))
+    assert str(err.value) == "algorithm.gamma must be a fraction in [0, 1] (the discount per token), got 2"
+
+
+def test_a_check_that_depends_on_a_failed_one_is_not_run(files):
+    """A missing model folder: its tokenizer, context length and resume checks would read files that are not
+    there; only the folder is named (with the other, independent errors)."""
+    with pytest.raises(ConfigError) as err:
+        preflight_check(make_config(files, "actor_rollout_ref.model.path=/nonexistent/model", "algorithm.gamma=2",
+                                    "data.train_files=/nonexistent/train.parquet"))
+    message = str(err.value)
+    assert message.startswith("3 problems"), message
+    for text in ("actor_rollout_ref.model.path=/nonexistent/model", "algorithm.gamma", "/nonexistent/train.parquet"):
+        assert text in message
+
+
+def test_the_supervised_stages_report_their_errors_together():
+    from hflow.trainer.config import SCHEMAS, validate_config
+    from hflow.trainer.supervised_trainer import check_stage_config, fill_builtin_stage_defaults
+
+    overrides = ["optim.lr=-1", "data.max_length=0", "optim.grad_clip=0"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = validate_config(compose(config_name="sft_trainer", overrides=overrides), SCHEMAS["sft_trainer"])
+    fill_builtin_stage_defaults(config, "sft", frozenset(o.split("=")[0] for o in overrides))
+    with pytest.raises(ConfigError) as err:
+        check_stage_config(config, "sft")
+    message = str(err.value)
+    assert message.startswith("3 problems"), message
+    for key in ("optim.lr", "data.max_length", "optim.grad_clip"):
+        assert key in message, (key, message)

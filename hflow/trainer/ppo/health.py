@@ -32,7 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hflow.config_schema import ConfigError
+from hflow.config_schema import (
+    ConfigError,
+    ConfigErrors,
+    check_fraction,
+    check_non_negative,
+    check_positive_number,
+    check_scale,
+)
 from hflow.trainer.ppo.faults import FAULTS
 from hflow.utils.errors import UserError
 
@@ -60,33 +67,88 @@ class Trigger:
 
 
 def check_health_config(config) -> None:
-    """The watch's rules, checked before any worker starts."""
+    """The watch's rules, checked before any worker starts: names, every limit in its range (all of their
+    errors together), the fault injections, and what the watch needs of the run."""
     health, trainer = config.trainer.health, config.trainer
-    if health.remedy not in REMEDIES:
-        raise ConfigError(f"trainer.health.remedy={health.remedy!r}: use one of {', '.join(REMEDIES)}")
-    if health.snapshot not in SNAPSHOTS:
-        raise ConfigError(f"trainer.health.snapshot={health.snapshot!r}: use one of {', '.join(SNAPSHOTS)}")
-    if int(health.window) < 1 or int(health.max_rollbacks) < 0:
-        raise ConfigError("trainer.health.window must be >= 1 and trainer.health.max_rollbacks >= 0")
+    errors = ConfigErrors()
+    with errors.catch():
+        if health.remedy not in REMEDIES:
+            raise ConfigError(f"trainer.health.remedy={health.remedy!r}: use one of {', '.join(REMEDIES)}")
+    with errors.catch():
+        if health.snapshot not in SNAPSHOTS:
+            raise ConfigError(f"trainer.health.snapshot={health.snapshot!r}: use one of {', '.join(SNAPSHOTS)}")
+    with errors.catch():
+        if int(health.window) < 1 or int(health.max_rollbacks) < 0:
+            raise ConfigError("trainer.health.window must be >= 1 and trainer.health.max_rollbacks >= 0")
+    key = "trainer.health"
+    errors.run(check_positive_number, health.grad_norm_zscore, f"{key}.grad_norm_zscore",
+               "a number of standard deviations; null: off", null_ok=True)
+    errors.run(check_entropy_min, health.entropy_min, config)
+    errors.run(check_positive_number, health.ppo_kl_max, f"{key}.ppo_kl_max", "null: off", null_ok=True)
+    errors.run(check_fraction, health.rollout_probs_diff_max, f"{key}.rollout_probs_diff_max",
+               "a difference of probabilities; null: off", null_ok=True, zero_ok=False)
+    for share in ("max_length_frac", "zero_adv_group_frac"):  # a share of responses / groups; 0 fires every step
+        errors.run(check_fraction, health[share], f"{key}.{share}", "a share of the batch; null: off",
+                   null_ok=True, zero_ok=False)
+    errors.run(check_scale, health.lr_scale, f"{key}.lr_scale",
+               "remedy lr_scale multiplies the learning rate by it at each rollback", at_most_one=True)
+    errors.run(check_scale, health.clip_scale, f"{key}.clip_scale",
+               "remedy tighten_clip multiplies the PPO clip ratios by it at each rollback", at_most_one=True)
     for i, fault in enumerate(health.inject or []):
-        where = f"trainer.health.inject[{i}]"
-        if not hasattr(fault, "get") or fault.get("kind") not in FAULTS:
-            raise ConfigError(f"{where}={fault}: give {{step: N, kind: {'|'.join(FAULTS)}, value: ...}}")
-        if not isinstance(fault.get("step"), int) or fault["step"] < 1:
-            raise ConfigError(f"{where}.step must be a training step >= 1, got {fault.get('step')!r}")
-        if fault["kind"] != "nan_logits" and not isinstance(fault.get("value"), (int, float)):
-            raise ConfigError(f"{where}.value: {fault['kind']} needs a number (lr_scale: the factor; reward: the score)")
-        if not isinstance(fault.get("steps", 1), int) or fault.get("steps", 1) < 1:
-            raise ConfigError(f"{where}.steps: how many steps the fault lasts, an integer >= 1")
-    if not health.enable:
+        errors.run(_check_fault, i, fault)
+    if health.enable:
+        with errors.catch():
+            if int(trainer.async_steps) > 0:
+                raise ConfigError(
+                    "trainer.health.enable=true with trainer.async_steps > 0 is not supported: batches in flight were "
+                    "sampled by the weights a rollback discards. Set trainer.async_steps=0 or turn the watch off.")
+        with errors.catch():
+            if health.snapshot == "checkpoint" and int(trainer.save_freq) <= 0:
+                raise ConfigError("trainer.health.snapshot=checkpoint restores the last saved checkpoint: set "
+                                  "trainer.save_freq > 0, or use trainer.health.snapshot=memory")
+    errors.raise_any()
+
+
+def _check_fault(i: int, fault) -> None:
+    where = f"trainer.health.inject[{i}]"
+    if not hasattr(fault, "get") or fault.get("kind") not in FAULTS:
+        raise ConfigError(f"{where}={fault}: give {{step: N, kind: {'|'.join(FAULTS)}, value: ...}}")
+    if not isinstance(fault.get("step"), int) or fault["step"] < 1:
+        raise ConfigError(f"{where}.step must be a training step >= 1, got {fault.get('step')!r}")
+    if fault["kind"] != "nan_logits" and not isinstance(fault.get("value"), (int, float)):
+        raise ConfigError(f"{where}.value: {fault['kind']} needs a number (lr_scale: the factor; reward: the score)")
+    if not isinstance(fault.get("steps", 1), int) or fault.get("steps", 1) < 1:
+        raise ConfigError(f"{where}.steps: how many steps the fault lasts, an integer >= 1")
+
+
+def check_entropy_min(entropy_min, config) -> None:
+    """`trainer.health.entropy_min`: >= 0 (or null), and below the largest mean token entropy the policy can
+    have, ln(vocab_size) nats (read from the model's config.json where it is readable): at or above it the
+    detector fires at every step."""
+    key = "trainer.health.entropy_min"
+    check_non_negative(entropy_min, key, "nats of mean token entropy; null: off", null_ok=True)
+    if entropy_min is None:
         return
-    if int(trainer.async_steps) > 0:
+    vocab = _vocab_size(config)
+    if vocab and float(entropy_min) >= math.log(vocab):
         raise ConfigError(
-            "trainer.health.enable=true with trainer.async_steps > 0 is not supported: batches in flight were "
-            "sampled by the weights a rollback discards. Set trainer.async_steps=0 or turn the watch off.")
-    if health.snapshot == "checkpoint" and int(trainer.save_freq) <= 0:
-        raise ConfigError("trainer.health.snapshot=checkpoint restores the last saved checkpoint: set "
-                          "trainer.save_freq > 0, or use trainer.health.snapshot=memory")
+            f"{key}={entropy_min} can never be reached from below: the mean token entropy of a model with "
+            f"vocab_size {vocab} is at most ln({vocab}) = {math.log(vocab):.2f} nats, so the watch would fire at "
+            f"every step; give a value below that (healthy runs sit well under it, e.g. 0.05) or null")
+
+
+def _vocab_size(config) -> int | None:
+    """The policy's vocab_size from its config.json, or None where that is not readable (the model's own
+    check reports it)."""
+    path = config.actor_rollout_ref.model.path
+    if path is None:
+        return None
+    try:
+        model_config = json.loads((Path(str(path)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and vocab > 1 else None
 
 
 def zero_advantage_group_frac(advantages: torch.Tensor, response_mask: torch.Tensor, uids: np.ndarray) -> float:

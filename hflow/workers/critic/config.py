@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from hflow.config_schema import ConfigError, check_choice, check_positive, ref
+from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_positive, check_positive_number, ref
 from hflow.workers.config import (
     CheckpointConfig,
     FSDPConfig,
@@ -81,9 +81,14 @@ def check_critic(critic: Any) -> None:
     if critic.model.path is None:
         raise ConfigError("algorithm.adv_estimator=gae trains a critic: set critic.model.path "
                           "(by default it is the actor's model)")
-    check_value_head(critic.model, "critic.model")
-    check_optim(critic.optim, "critic.optim")
-    check_offload(critic.model.fsdp_config, "critic.model.fsdp_config")
+    errors = ConfigErrors()
+    errors.run(check_value_head, critic.model, "critic.model")
+    errors.run(check_optim, critic.optim, "critic.optim")
+    errors.run(check_offload, critic.model.fsdp_config, "critic.model.fsdp_config")
+    errors.run(check_positive_number, critic.grad_clip, "critic.grad_clip", "the largest gradient norm")
+    errors.run(check_positive_number, critic.cliprange_value, "critic.cliprange_value",
+               "the value clip around the old values")
+    errors.raise_any()
 
 
 def check_critic_batches(critic: Any, batch_prompts: int, n: int, world_size: int) -> None:

@@ -10,7 +10,16 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hflow.agent.config import MultiTurnConfig
-from hflow.config_schema import WORLD_KEYS, ConfigError, check_choice, ref
+from hflow.config_schema import (
+    WORLD_KEYS,
+    ConfigError,
+    ConfigErrors,
+    check_choice,
+    check_fraction,
+    check_non_negative,
+    check_positive,
+    ref,
+)
 
 PREFIX = "actor_rollout_ref.rollout"
 ROLLOUT_NAMES = ("vllm", "hf")
@@ -100,12 +109,27 @@ def check_tensor_parallel(tp: int, world_size: int) -> None:
 
 
 def check_sampling(rollout: Any) -> None:
-    """Sampling that the engine can do: a temperature > 0 wherever it samples."""
-    if rollout.val_kwargs.do_sample and float(rollout.val_kwargs.temperature) <= 0:
-        raise ConfigError(f"{PREFIX}.val_kwargs.do_sample=true needs val_kwargs.temperature > 0")
-    if float(rollout.temperature) <= 0 and rollout.do_sample:
-        raise ConfigError(f"{PREFIX}.temperature must be > 0 for sampling "
-                          "(set rollout.do_sample=false for greedy)")
+    """Sampling that the engine can do: a temperature > 0 wherever it samples, top_p in (0, 1], top_k -1
+    (off) or a count; all of their errors together."""
+    errors = ConfigErrors()
+    with errors.catch():
+        if rollout.val_kwargs.do_sample and float(rollout.val_kwargs.temperature) <= 0:
+            raise ConfigError(f"{PREFIX}.val_kwargs.do_sample=true needs val_kwargs.temperature > 0")
+    with errors.catch():
+        if float(rollout.temperature) <= 0 and rollout.do_sample:
+            raise ConfigError(f"{PREFIX}.temperature must be > 0 for sampling "
+                              "(set rollout.do_sample=false for greedy)")
+    for section, prefix in ((rollout, PREFIX), (rollout.val_kwargs, f"{PREFIX}.val_kwargs")):
+        errors.run(check_non_negative, section.temperature, f"{prefix}.temperature", "0: greedy")
+        errors.run(check_fraction, section.top_p, f"{prefix}.top_p", "the nucleus' probability mass; 1: off",
+                   zero_ok=False)
+        with errors.catch():
+            if int(section.top_k) < -1:
+                raise ConfigError(f"{prefix}.top_k must be -1 (off) or a number of tokens >= 1, got {section.top_k}")
+    with errors.catch():
+        if rollout.kv_cache_memory_bytes is not None:
+            check_positive(rollout.kv_cache_memory_bytes, f"{PREFIX}.kv_cache_memory_bytes")
+    errors.raise_any()
 
 
 def check_rollout_name(name: str) -> None:
