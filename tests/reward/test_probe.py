@@ -20,6 +20,10 @@ GOOD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str.strip() == str(ground_truth))
 """
+RETURNS_NONE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return None
+"""
 RETURNS_A_STRING = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return "correct"
@@ -44,7 +48,7 @@ def files(tmp_path_factory) -> Path:
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
             for i in range(10)]
     pq.write_table(pa.Table.from_pylist(rows), root / "val.parquet")
-    for name, text in (("good", GOOD), ("string", RETURNS_A_STRING), ("slow", SLOW), ("batch", BATCH_RETURNS_ONE)):
+    for name, text in (("good", GOOD), ("none", RETURNS_NONE), ("string", RETURNS_A_STRING), ("slow", SLOW), ("batch", BATCH_RETURNS_ONE)):
         (root / f"{name}.py").write_text(text)
     return root
 
@@ -75,6 +79,11 @@ def test_a_reward_that_returns_a_string_stops_naming_the_row_and_the_value(files
     for words in (f"custom_reward_function.path={files / 'string.py'}", "row 0 of", "data_source='hflow/arithmetic'",
                   "returned 'correct'", "nothing has started yet"):
         assert words in message, (words, message)
+
+
+def test_a_reward_that_returns_none_stops_in_preflight(files):
+    with pytest.raises(ConfigError, match="row 0 of .*returned None"):
+        probe_reward(config_for(files, path=str(files / "none.py")))
 
 
 def test_a_reward_past_its_timeout_stops_in_its_time(files):

@@ -114,8 +114,10 @@ def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path
 
 def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
     reward = tmp_path / "my_reward.py"
+    # None for anything but the exact answer: the preflight probe (ground truth as the response) passes, and
+    # the run fails on a generated response (an always-None reward stops in preflight: tests/reward/test_probe.py)
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return None\n")
+                      "    return 1.0 if solution_str.strip() == str(ground_truth) else None\n")
     # the built-in task and model; the first validation's first sample fails
     code, output, _ = main_ppo(tmp_path, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}")
     assert_ends_with_the_message(code, output, "my_reward.py", "sample 0", "returned None",
