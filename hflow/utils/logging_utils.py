@@ -43,6 +43,8 @@ LIBRARY_NOISE: dict[str, tuple[str, ...]] = {
     # configures, whether or not the model has SSM layers; nothing a user sets changes it.
     "vllm.platforms.cpu": (r"Triton is not installed", r"Reset SSM cache type to float32"),
     "vllm.triton_utils.importing": (r"Triton is installed, but doesn't include CPU backend",),
+    # The multi-turn engine adds token-id prompts (TokensPrompt) itself: about hflow's call, once per process.
+    "vllm.v1.engine.input_processor": (r"Passing raw prompts to InputProcessor is deprecated",),
     "ray._private.authentication.authentication_token_setup": (r"Token authentication is enabled for this Ray",),
 }
 
