@@ -141,7 +141,26 @@ def _reward_function_not_in_file(root: Path) -> list[str]:
     return [f"custom_reward_function.path={path}", "custom_reward_function.name=compute_scor"]
 
 
+def _reward_returning_a_string(root: Path) -> str:
+    return _reward_file(root, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                              "    return 'yes'\n")
+
+
+def _dead_url(root: Path) -> list[str]:
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [f"custom_reward_function.url=http://127.0.0.1:{port}/score"]
+
+
 _BAD_INPUTS = [
+    # issue 39: the reward is tried before the run (hflow.reward.probe)
+    ("reward-url-where-nothing-listens", _dead_url,
+     ["custom_reward_function.url=http://127.0.0.1:", "row 0", "Start the scoring service"]),
+    ("reward-returning-a-string", lambda root: [f"custom_reward_function.path={_reward_returning_a_string(root)}"],
+     ["my_reward.py", "row 0", "returned 'yes'"]),
     ("reward-file-syntax-error", _reward_file_with_syntax_error,
      ["custom_reward_function.path", "my_reward.py", "SyntaxError"]),
     ("reward-function-not-in-file", _reward_function_not_in_file,
