@@ -300,7 +300,9 @@ def test_injected_faults_reach_only_their_step_without_the_hot_path_knowing():
     def on_every_rank(func, data):
         return DataProto.concat([func(w, part) for w, part in zip(workers, data.chunk(len(workers)))])
 
-    actor_wg = SimpleNamespace(world_size=2, execute_with_func_generator=on_every_rank)
+    # a group of two ranks: `call` runs the named worker method as the group would
+    actor_wg = SimpleNamespace(world_size=2, call=lambda method, *args: {
+        "execute_with_func_generator": on_every_rank}[method.__name__](*args))
     scores = torch.tensor([[0.0, 1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0]])
 

@@ -59,7 +59,7 @@ def test_the_constants_memory_plan_repeats_are_the_modules_own():
     from hflow.utils import packing
     from hflow.workers import fsdp
 
-    source = (Path(mp.__file__).parents[1] / "workers" / "rollout" / "vllm_rollout.py").read_text()
+    source = (Path(mp.__file__).parents[2] / "workers" / "rollout" / "vllm_rollout.py").read_text()
     [expr] = re.findall(r"^CPU_DEFAULT_KV_CACHE_BYTES = (.+)$", source, flags=re.M)
     assert eval(compile(ast.parse(expr, mode="eval"), "", "eval")) == mp.CPU_DEFAULT_KV_CACHE_BYTES
     assert mp.CPU_ATTENTION == packing.SDPA_VARLEN
