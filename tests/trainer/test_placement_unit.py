@@ -68,6 +68,9 @@ class _Recorder:
     def save_checkpoint(self, path: str, global_step: int = 0) -> None:
         self.saved.append(path)
 
+    def call(self, method, *args, **kwargs):  # as a group does: the named worker method
+        return getattr(self, method.__name__)(*args, **kwargs)
+
 
 class _Loader:
     def state_dict(self) -> dict:
@@ -90,7 +93,9 @@ def test_a_checkpoint_taken_with_rollouts_in_flight_resumes_by_drawing_those_bat
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None,
                                                    "resume_mode": "auto", "resume_from_path": None,
                                                    "async_steps": 2},
-                                       "reward_model": {"enable": False}})
+                                       "reward_model": {"enable": False},
+                                       "actor_rollout_ref": {"model": {"path": str(tmp_path / "model")}},
+                                       "critic": {"model": {"path": None}}})
     trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward = 2, False, None
     trainer.scorer = SimpleNamespace(reward_norm=None)
     trainer.health = None
@@ -145,7 +150,7 @@ class _Call:
 
 
 class _FakeGroup:
-    """A worker group whose methods are plain functions; every call (direct or `.submit`) is logged."""
+    """A worker group whose methods are plain functions; every call (`call` or `start`) is logged."""
 
     def __init__(self, log: list, world_size: int = 1, **methods):
         self.world_size = world_size
@@ -154,8 +159,14 @@ class _FakeGroup:
                 log.append(_name)
                 return _fn(*args)
 
-            call.submit = lambda *args, _call=call: _Call(_call(*args))
+            call.start = lambda *args, _call=call: _Call(_call(*args))
             setattr(self, name, call)
+
+    def call(self, method, *args):  # the group call by the worker method's name, as a WorkerGroup's
+        return getattr(self, method.__name__)(*args)
+
+    def start(self, method, *args):
+        return getattr(self, method.__name__).start(*args)
 
 
 def _sources(log: list, seen_meta: list):
