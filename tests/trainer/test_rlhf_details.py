@@ -221,6 +221,9 @@ class FakeWorkers:
         gen_batch.meta_info.setdefault("eos_token_id", tok.eos_token_id)
         return assemble_rollout_output(gen_batch, torch.tensor(rows), n=1)
 
+    def call(self, method, *args, **kwargs):  # a group call by the worker method's name, as a WorkerGroup's
+        return getattr(self, method.__name__)(*args, **kwargs)
+
     def compute_rm_score(self, data: DataProto) -> DataProto:
         self.scored.append(data)
         mask = data.batch["attention_mask"][:, -L:]
