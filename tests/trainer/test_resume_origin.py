@@ -104,4 +104,4 @@ def test_a_rerun_into_an_experiment_of_another_model_stops_before_anything_start
     for words in (str(step), f"vocab_size {shape['vocab_size'] + 2} vs {shape['vocab_size']}", "trainer.experiment_name",
                   "trainer.resume_mode=disable"):
         assert words in last, (words, last)
-    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+    assert "Started a local Ray instance" not in captured.out + captured.err  # it stopped in preflight
