@@ -1,5 +1,6 @@
 """Session-wide tiny model: built once into a temporary folder (about 0.5 s), never downloaded."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,11 @@ def world():
 
     from tests.ranks import free_port
 
+    environ = dict(os.environ)  # vLLM's engines set variables (VLLM_DIST_IDENT, ...) that later tests' runs inherit
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+    os.environ.clear()
+    os.environ.update(environ)
