@@ -12,6 +12,7 @@ from hflow.utils import logging_utils
 def captured(monkeypatch):
     monkeypatch.delenv(logging_utils.SHOW_ENV, raising=False)
     monkeypatch.setattr(logging_utils, "_installed", False)
+    before = {name: list(logging.getLogger(name).filters) for name in logging_utils.LIBRARY_NOISE}
     logging_utils.install_library_filter()
     records = []
 
@@ -24,9 +25,10 @@ def captured(monkeypatch):
     logger.addHandler(handler)
     yield logger, records
     logger.removeHandler(handler)
-    for name in logging_utils.LIBRARY_NOISE:
+    for name, kept in before.items():  # only this test's filters: the session's own stay installed
         for f in list(logging.getLogger(name).filters):
-            logging.getLogger(name).removeFilter(f)
+            if f not in kept:
+                logging.getLogger(name).removeFilter(f)
 
 
 def test_the_input_processor_deprecation_is_dropped_and_other_warnings_stay(captured):
