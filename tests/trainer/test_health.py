@@ -185,9 +185,13 @@ def test_rollbacks_in_a_row_and_remedies():
     ("ppo_kl_max", -1.0, r"trainer.health.ppo_kl_max must be > 0"),
     ("rollout_probs_diff_max", 0.0, r"trainer.health.rollout_probs_diff_max"),
     ("grad_norm_zscore", 0.0, r"trainer.health.grad_norm_zscore must be > 0 or null"),
+    ("entropy_max", 0.0, r"trainer.health.entropy_max must be > 0 or null"),
+    ("entropy_max", 0.01, r"trainer.health.entropy_min=0.02 must be < trainer.health.entropy_max=0.01"),
 ])
 def test_bad_health_settings_name_the_key(key, value, message):
     config = default_config()
+    if key == "entropy_max":  # the band's lower end, for the lower < upper case
+        config.trainer.health.entropy_min = 0.02
     setattr(config.trainer.health, key, value)
     with pytest.raises(ConfigError, match=message):
         check_health_config(config)

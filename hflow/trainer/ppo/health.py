@@ -36,6 +36,7 @@ from hflow.config_schema import (
     ConfigError,
     ConfigErrors,
     check_fraction,
+    check_lower_upper,
     check_non_negative,
     check_positive_number,
     check_scale,
@@ -84,6 +85,11 @@ def check_health_config(config) -> None:
     errors.run(check_positive_number, health.grad_norm_zscore, f"{key}.grad_norm_zscore",
                "a number of standard deviations; null: off", null_ok=True)
     errors.run(check_entropy_min, health.entropy_min, config)
+    errors.run(check_positive_number, health.entropy_max, f"{key}.entropy_max", "nats of mean token entropy; "
+               "null: off", null_ok=True)
+    if health.entropy_min is not None and health.entropy_max is not None:  # a band the entropy can stay in
+        errors.run(check_lower_upper, health.entropy_min, health.entropy_max, f"{key}.entropy_min",
+                   f"{key}.entropy_max")
     errors.run(check_positive_number, health.ppo_kl_max, f"{key}.ppo_kl_max", "null: off", null_ok=True)
     errors.run(check_fraction, health.rollout_probs_diff_max, f"{key}.rollout_probs_diff_max",
                "a difference of probabilities; null: off", null_ok=True, zero_ok=False)
