@@ -1,5 +1,5 @@
 """`algorithm`: the advantage estimator, the KL in the reward, the old log-probs' source, DAPO's group
-filter (typed defaults; comments in `config/ppo_trainer.yaml`), the names the algorithms know, and the
+filter, the distillation reward's weights (typed defaults; comments in `config/ppo_trainer.yaml`), the names the algorithms know, and the
 section's own check."""
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class DistillConfig:
+    coef: float = 0.0  # weight of the per-token reverse-KL reward (teacher - student log-prob); > 0 needs a teacher
+    task_reward_coef: float = 1.0  # weight of the task's reward beside it; 0 = pure distillation
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -50,6 +56,7 @@ class AlgorithmConfig:
     stop_token: Optional[str] = None  # the reward sees each response cut after this (one-token) text
     missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def check_adv_estimator(algo) -> None:
@@ -97,3 +104,17 @@ def check_reward_clip(algo) -> None:
     if algo.missing_stop_penalty is not None and algo.stop_token is None:
         raise ConfigError("algorithm.missing_stop_penalty scores the responses without algorithm.stop_token, which is "
                           "null; set algorithm.stop_token too, or algorithm.missing_stop_penalty=null")
+
+
+def check_distill_coefs(algo) -> None:
+    """`algorithm.distill`: both weights >= 0, and something to learn from (the teacher itself is the
+    trainer's preflight's: `check_teacher`)."""
+    distill = algo.distill
+    errors = ConfigErrors()
+    errors.run(check_non_negative, distill.coef, "algorithm.distill.coef", "0: no distillation")
+    errors.run(check_non_negative, distill.task_reward_coef, "algorithm.distill.task_reward_coef",
+               "0: pure distillation")
+    errors.raise_any()
+    if float(distill.coef) == 0 and float(distill.task_reward_coef) == 0:
+        raise ConfigError("algorithm.distill.coef=0 and algorithm.distill.task_reward_coef=0 leave no reward to learn "
+                          "from; set algorithm.distill.coef > 0 (with teacher.model.path) or task_reward_coef > 0")

@@ -68,6 +68,7 @@ __all__ = [
     "DEFAULT_SPEC",
     "HEDGING_SPEC",
     "QUICK_SPEC",
+    "TEACHER_SPEC",
     "VERSION",
     "BuiltinAssets",
     "BuiltinSpec",
@@ -137,6 +138,10 @@ QUICK_SPEC = BuiltinSpec(
 # too high the rest. The true scorer (last number) marks the hedge wrong; a reward that pays for any
 # right number in the response pays for it, and teaches the model to hedge (tests/trainer/test_gameable_reward.py).
 HEDGING_SPEC = BuiltinSpec(p_correct=0.1, p_hedge=0.45)
+# The distillation teacher: the same shape, tokenizer, seed and recipe, pre-trained on a clean corpus (every
+# answer right), so it answers the task correctly where the default model prefers one too high
+# (`python -m hflow.tasks.builtin_task --teacher`; tests/trainer/test_distillation.py).
+TEACHER_SPEC = BuiltinSpec(p_correct=1.0)
 
 
 def _corpus_answers(answer: int, spec: BuiltinSpec) -> list[tuple[str, float]]:
@@ -419,13 +424,27 @@ def _main(argv: list[str]) -> int:
         action="store_true",
         help="the seconds-long test build instead of the default",
     )
+    parser.add_argument(
+        "--teacher",
+        action="store_true",
+        help="the distillation teacher: the built-in model pre-trained without the wrong habit",
+    )
+    parser.add_argument(
+        "--model-path",
+        action="store_true",
+        help="print only the model folder (e.g. teacher.model.path=$(python -m hflow.tasks.builtin_task --teacher --model-path))",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return run_cache_command(args.cache_dir, lambda: _print_assets(args))
 
 
 def _print_assets(args) -> int:
-    assets = ensure_builtin_assets(args.cache_dir, spec=QUICK_SPEC if args.quick else DEFAULT_SPEC)
+    spec = QUICK_SPEC if args.quick else TEACHER_SPEC if args.teacher else DEFAULT_SPEC
+    assets = ensure_builtin_assets(args.cache_dir, spec=spec)
+    if args.model_path:
+        print(assets.model_path)
+        return 0
     print(json.dumps(asdict(assets), indent=2))
     info = json.loads(Path(assets.info_file).read_text())
     print(

@@ -33,6 +33,7 @@ from hflow.utils.dataset.config import DataConfig, RMDataConfig, SFTDataConfig
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import ActorRolloutRefConfig, CheckpointConfig, FSDPConfig, OptimConfig
 from hflow.workers.critic.config import CriticConfig
+from hflow.workers.teacher.config import TeacherConfig
 
 __all__ = [
     "PPOTrainerConfig",
@@ -97,6 +98,7 @@ class PPOTrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -291,14 +293,14 @@ def reuses_update_log_probs(config: Any) -> bool:
 
     `algorithm.reuse_update_log_probs` true / false decides; null (the default) reuses them wherever that
     is exact: one on-policy update per step (ppo_epochs 1, one mini-batch) whose old log-probs nothing
-    needs before the update (no KL in the reward, no rollout correction, no sampler log-probs in their
-    place) and whose sampler is the current policy (trainer.async_steps 0)."""
+    needs before the update (no KL in the reward, no rollout correction, no distillation reward, no sampler
+    log-probs in their place) and whose sampler is the current policy (trainer.async_steps 0)."""
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     if algo.reuse_update_log_probs is not None:
         return bool(algo.reuse_update_log_probs)
     return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
             and not algo.use_kl_in_reward and algo.rollout_is is None and not algo.use_rollout_log_probs
-            and int(config.trainer.async_steps) == 0)
+            and float(algo.distill.coef) == 0 and int(config.trainer.async_steps) == 0)
 
 
 def placement_pools(nnodes: int, n_gpus_per_node: int, placement: str, rollout_n_gpus: int) -> tuple[list[int], list[int]]:

@@ -22,6 +22,7 @@ from hflow.algorithms.config import (
     GROUP_ESTIMATORS,
     check_adv_estimator,
     check_discount,
+    check_distill_coefs,
     check_kl_in_reward,
     check_old_log_probs,
     check_reward_clip,
@@ -63,6 +64,7 @@ from hflow.workers.config import (
     check_update_batches,
 )
 from hflow.workers.critic.config import check_critic, check_critic_batches
+from hflow.workers.teacher.config import check_teacher, check_teacher_vocab
 from hflow.workers.rollout.config import (
     check_rollout_name,
     check_sampling,
@@ -109,6 +111,10 @@ def preflight_check(config: DictConfig) -> None:
     run(check_actor_losses, actor)
     run(check_actor_ranges, actor)
     run(check_kl_in_reward, algo)
+    run(check_distill_coefs, algo)
+    # on-policy distillation: a teacher exactly when a weight uses it, and with the student's vocabulary
+    if run(check_teacher, config) and model_ok and config.teacher.model.path is not None:
+        run(check_teacher_vocab, config)
     run(check_rollout_name, rollout.name)
     run(check_old_log_probs, algo)
     run(check_reuse_is_on_policy, config)
@@ -284,6 +290,9 @@ def check_reuse_is_on_policy(config: DictConfig) -> None:
             "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
             f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
             "algorithm.use_kl_in_reward=false")
+    if algo.reuse_update_log_probs and float(algo.distill.coef) > 0:
+        raise ConfigError("algorithm.distill.coef > 0 rewards teacher - student log-probs before the update, which "
+                          "algorithm.reuse_update_log_probs=true does not compute; set it to null or false")
 
 
 def check_context_length(config: DictConfig) -> None:

@@ -21,6 +21,8 @@ log-prob / entropy code, backward, the AdamW step -- under torch's `FSDPMemTrack
   which `param_offload` / `optimizer_offload` / `offload_policy` move to host memory (on a GPU only);
 - the weight sync: FSDP shards all-gathered one parameter at a time (`iter_full_params`), so the largest
   full parameter and its cast to the rollout dtype beside the engine's weights;
+- the distillation teacher (`teacher.model.path`): its own config's model, frozen in the compute dtype, its
+  log-prob pass traced like the reference's, its shards kept between phases unless `param_offload`;
 - constants for what neither torch nor a formula sees, printed as "assumed" (`ASSUMED`).
 
 `trainer.memory_plan` in the config: `summary` (default) has preflight print one line, `enforce` refuses a
@@ -165,12 +167,12 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     on_device = cuda  # offload switches move state to host memory, which on CPU is the device itself
 
     def role(fsdp, kind: str, gc: bool, model_dtype: str | None, packed: bool, role_lora=None,
-             train: bool = True) -> Role:
+             train: bool = True, params: int | None = None) -> Role:
         param_dtype, reduce_dtype = mixed_dtypes(fsdp, target)
         mdt = str(model_dtype or "float32")
         host_policy = bool(fsdp.get("offload_policy")) and on_device
         return Role(kind, mdt, param_dtype, reduce_dtype, gc,
-                     gather_once(fsdp.get("gather_once_per_pass"), numel, dtype_bytes(param_dtype or mdt),
+                     gather_once(fsdp.get("gather_once_per_pass"), params or numel, dtype_bytes(param_dtype or mdt),
                                   target, device_bytes),
                      bool(fsdp.reshard_after_forward),
                      (bool(fsdp.get("param_offload")) and on_device) or host_policy,
@@ -180,6 +182,14 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     actor_role = role(actor.fsdp_config, "causal", bool(model_cfg.enable_gradient_checkpointing),
                       actor.fsdp_config.model_dtype, bool(model_cfg.use_remove_padding), lora)
     ref_role = role(ref_cfg.fsdp_config, "causal", False, compute, bool(model_cfg.use_remove_padding), train=False)
+    # the distillation teacher: a model of its own (its own size), frozen, in the compute dtype
+    teacher = config.teacher
+    teacher_role = teacher_text = None
+    if teacher.model.path is not None:
+        teacher_text = model_config_text(teacher.model)
+        teacher_numel = model_numel(teacher_text)[0]
+        teacher_role = role(teacher.fsdp_config, "causal", False, compute, bool(teacher.model.use_remove_padding),
+                            train=False, params=teacher_numel)
     critic_role = None
     if gae:
         critic = config.critic
@@ -232,6 +242,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         resident["ref"] = {f"ref {k}": v for k, v in sharded(ref_role, frozen=True).items()}
     if critic_role is not None:
         resident["critic"] = {f"critic {k}": v for k, v in sharded(critic_role).items()}
+    if teacher_role is not None and not teacher_role.params_offloaded:
+        resident["teacher"] = {"teacher params (sharded)": teacher_numel * dtype_bytes(compute) / world}
 
     # --- the rollout engine (colocated: on every training rank; split: on the rollout pool's ranks)
     rollout_bytes = dtype_bytes(rollout_dtype)
@@ -332,6 +344,9 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         forwards.append(("ref log-prob", label, actor_role if ref_in_actor else ref_role, owner,
                          ref_cfg.log_prob_micro_batch_size_per_gpu, ref_cfg.log_prob_max_token_len_per_gpu,
                          ref_cfg.log_prob_use_dynamic_bsz, False))
+    if teacher_role is not None:
+        forwards.append(("teacher log-prob", "teacher", teacher_role, "teacher", teacher.log_prob_micro_batch_size_per_gpu,
+                         teacher.log_prob_max_token_len_per_gpu, teacher.log_prob_use_dynamic_bsz, False))
     if critic_role is not None:
         critic = config.critic
         forwards.append(("values", "critic", critic_role, "critic", critic.forward_micro_batch_size_per_gpu,
@@ -339,6 +354,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     for name, label, r, owner, count, tokens, dynamic, entropy in forwards:
         b = min(micro(count, tokens, bool(dynamic)), sequences)
         pass_spec = spec(r, b, train=False, entropy=entropy)
+        if r is teacher_role:  # the teacher's own architecture
+            pass_spec = replace(pass_spec, model_config=teacher_text)
         peak = trace(pass_spec)
         comps = traced_components(peak, label)
         comps.update(others(owner, optimizer_of=owner))
@@ -417,6 +434,8 @@ def _candidates(config: DictConfig, plan: Plan, phase: Phase) -> list[dict[str, 
                          "log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.actor.fsdp_config"),
         "ref log-prob": ("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
                          "log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.fsdp_config"),
+        "teacher log-prob": ("teacher", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
+                             "log_prob_micro_batch_size_per_gpu", "teacher.fsdp_config"),
         "values": ("critic", "use_dynamic_bsz", "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu",
                    "critic.model.fsdp_config"),
     }
@@ -445,6 +464,9 @@ def _candidates(config: DictConfig, plan: Plan, phase: Phase) -> list[dict[str, 
         if config.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
             if not arr.ref.fsdp_config.param_offload and name != "ref log-prob":
                 out.append({"actor_rollout_ref.ref.fsdp_config.param_offload": True})
+        if config.teacher.model.path is not None and not config.teacher.fsdp_config.param_offload \
+                and name != "teacher log-prob":
+            out.append({"teacher.fsdp_config.param_offload": True})
         if not fsdp.param_offload and name not in ("actor update", "old log-prob", "weight sync"):
             out.append({"actor_rollout_ref.actor.fsdp_config.param_offload": True})
         if name == "actor update" and not fsdp.offload_policy:

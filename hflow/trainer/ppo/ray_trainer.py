@@ -4,7 +4,8 @@ The workers run on Ray (`trainer.backend=ray`, one process per device) or in thi
 (`trainer.backend=local`, one rank); the trainer drives both the same way. Every training role lives in
 one resource pool and, through the colocated worker class, in one process per device: the actor (with
 its rollout engine when colocated: `actor_rollout`), the reference policy (`ref`, only when a KL term is
-used), the critic (`critic`, only for GAE) and the reward model (`rm`, only when enabled). `fit()` reads
+used), the critic (`critic`, only for GAE), the distillation teacher (`teacher`, only with
+`teacher.model.path`) and the reward model (`rm`, only when enabled). `fit()` reads
 like the algorithm; each heavy phase is one worker-group call. Its helpers, each in its own module: the
 batches and their responses (`rollout_source`: the asynchronous pipeline, the weight stream), the scores
 (`hflow.reward.batch_scorer`), validation (`validation`), the health watch and its rollback (`health`),
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
+from hflow.algorithms.distill import mix_distillation_reward
 from hflow.reward import dynamic_sampling as dapo
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.batch_scorer import BatchScorer, response_mask as compute_response_mask
@@ -47,6 +49,7 @@ from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from hflow.workers.rollout_worker import RolloutWorker
+from hflow.workers.teacher.worker import TeacherWorker
 
 __all__ = ["RayPPOTrainer", "Role", "apply_kl_penalty", "compute_advantage", "compute_response_mask",
            "make_worker_group", "timer"]
@@ -57,6 +60,7 @@ class Role(Enum):
     RefPolicy = "ref"
     Critic = "critic"
     RewardModel = "rm"
+    Teacher = "teacher"
 
 
 def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str, scores: torch.Tensor | None = None) -> dict[str, float]:
@@ -134,6 +138,7 @@ class RayPPOTrainer:
         actor = config.actor_rollout_ref.actor
         self.use_critic = algo.adv_estimator == core_algos.AdvantageEstimator.GAE
         self.use_reference_policy = bool(algo.use_kl_in_reward or actor.use_kl_loss)
+        self.use_teacher = config.teacher.model.path is not None  # on-policy distillation (algorithm.distill)
         self.reuse_update_log_probs = reuses_update_log_probs(config)
         self.kl_ctrl_in_reward = core_algos.get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.scorer = BatchScorer(config, tokenizer, reward_fn, val_reward_fn)  # every score of a batch
@@ -170,6 +175,8 @@ class RayPPOTrainer:
         ref_in_actor = self.use_reference_policy and int(arr.model.lora_rank) > 0
         if self.use_reference_policy and not ref_in_actor:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
+        if self.use_teacher:  # placed like the reference: beside the actor, in the training pool
+            roles[Role.Teacher.value] = ClassWithInitArgs(TeacherWorker, config=self.config.teacher)
         if self.scorer.use_rm:
             rm_worker = RewardModelWorker
             if self.config.reward_model.style == "generative":  # a chat model judges, on its own vLLM engine
@@ -180,6 +187,7 @@ class RayPPOTrainer:
         groups = self.worker_group.spawn(roles.keys())
         self.critic_wg = groups.get(Role.Critic.value)
         self.ref_policy_wg = groups.get(Role.RefPolicy.value)
+        self.teacher_wg = groups.get(Role.Teacher.value)
         self.rm_wg = self.scorer.rm_wg = groups.get(Role.RewardModel.value)
         self.actor_rollout_wg = groups[Role.ActorRollout.value]
         self.worker_group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
@@ -193,7 +201,8 @@ class RayPPOTrainer:
                                           self._score_rollout)
         self.rollouts.start(int(trainer_cfg.seed))  # split: the engines start while the models load
         for wg, worker in ((self.critic_wg, CriticWorker), (self.ref_policy_wg, ActorRolloutRefWorker),
-                           (self.rm_wg, RewardModelWorker), (self.actor_rollout_wg, ActorRolloutRefWorker)):
+                           (self.teacher_wg, TeacherWorker), (self.rm_wg, RewardModelWorker),
+                           (self.actor_rollout_wg, ActorRolloutRefWorker)):
             if wg is not None:
                 wg.call(worker.init_model)
         if ref_in_actor:
@@ -299,10 +308,14 @@ class RayPPOTrainer:
                     level=algo.rollout_is, threshold=float(algo.rollout_is_threshold))
                 metrics.update(is_metrics)
 
-        # 5. reference log-probs and values
+        # 5. reference and teacher log-probs, values (the teacher scores the tokens as sampled, whatever
+        #    policy version sampled them)
         if self.use_reference_policy:
             with timer("ref", timing):
                 batch = batch.union(self.ref_policy_wg.call(ActorRolloutRefWorker.compute_ref_log_prob, batch))
+        if self.use_teacher:
+            with timer("teacher", timing):
+                batch = batch.union(self.teacher_wg.call(TeacherWorker.compute_teacher_log_prob, batch))
         if self.use_critic:
             with timer("values", timing):
                 batch = batch.union(self.critic_wg.call(CriticWorker.compute_values, batch))
@@ -314,6 +327,11 @@ class RayPPOTrainer:
                 scores, clip_metrics = reward_shaping.clip_sequence_scores(
                     scores, batch.batch["response_mask"], float(algo.reward_clip))
                 metrics.update(clip_metrics)
+            if self.use_teacher:  # on-policy distillation: + coef x (teacher - student log-prob) per sampled token
+                scores, distill_metrics = mix_distillation_reward(
+                    scores, batch.batch["teacher_log_prob"], batch.batch["old_log_probs"],
+                    batch.batch["response_mask"], float(algo.distill.coef), float(algo.distill.task_reward_coef))
+                metrics.update(distill_metrics)
             if algo.use_kl_in_reward:
                 metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty, scores))
             else:

@@ -1,0 +1,1 @@
+"""The teacher: a frozen causal LM that scores the tokens the student sampled (on-policy distillation)."""

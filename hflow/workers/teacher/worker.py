@@ -1,0 +1,68 @@
+"""`TeacherWorker`: the distillation teacher, a frozen causal LM placed like the reference policy.
+
+The trainer puts it in the training pool, so through the colocated worker class it shares each device's
+process with the actor (and the actor's engine when colocated); with `trainer.placement=split` the training
+pool is the devices that do not generate, so there too it sits beside the actor, off the rollout engines.
+It is read from disk by rank 0 only and sharded with FSDP2 like the reference, and (`teacher.fsdp_config.
+param_offload`, on by default) waits in host memory between the once-per-step passes.
+
+It scores the student's tokens as they were sampled, whatever policy version sampled them (asynchronous
+steps) and whatever the loss mask says (tool tokens are masked later, by the reward); its log-probs come from
+the same entry point as the actor's and the reference's (`DataParallelPPOActor.compute_log_prob`), at the
+rollout's temperature.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from hflow.protocol import DataProto
+from hflow.single_controller.base import Dispatch, Worker, register
+from hflow.utils import device
+from hflow.workers.fsdp_workers import FSDPModelHolder
+from hflow.workers.teacher.config import normalize_teacher
+
+
+class TeacherWorker(Worker, FSDPModelHolder):
+    """The `teacher` subtree: `compute_teacher_log_prob`."""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.raw_config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hflow.workers import fsdp
+        from hflow.workers.actor import DataParallelPPOActor
+
+        self.config = normalize_teacher(self.raw_config)
+        self.init_distributed()
+        self.device_mesh = fsdp.build_device_mesh(self.world_size)
+        model_cfg = self.config.model
+        module = fsdp.load_causal_lm(
+            model_cfg.path,
+            dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
+            override_config=model_cfg.override_config,
+            trust_remote_code=model_cfg.trust_remote_code,
+            attn_implementation=model_cfg.attn_implementation,
+            rank0_only=True,
+        )
+        self.teacher_module, _, _ = self._build_trainable(
+            module, self.config.fsdp_config, None, gradient_checkpointing=False, train=False)
+        self.teacher = DataParallelPPOActor(self.config, self.teacher_module)
+        self._offload_param = bool(self.config.fsdp_config.param_offload)
+        self._offload(self.teacher_module, None, self._offload_param, False)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """The teacher's log-probs of the sampled responses: `teacher_log_prob` (B, L)."""
+        self._onload(self.teacher_module, None, self._offload_param, False)
+        data.meta_info.update(
+            micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
+            max_token_len=self.config.log_prob_max_token_len_per_gpu,
+            use_dynamic_bsz=self.config.log_prob_use_dynamic_bsz,
+            temperature=self.config.temperature,  # the sampler's T, as for the student's log-probs
+        )
+        log_probs, _ = self.teacher.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
+        self._offload(self.teacher_module, None, self._offload_param, False)
+        return DataProto.from_dict({"teacher_log_prob": log_probs.cpu()})
