@@ -186,3 +186,24 @@ def test_the_plan_matches_the_real_run_counted_on_cpu(tmp_path):
             assert traced.traced == pytest.approx(counted, rel=0.02), (name, traced.traced, counted)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_distillation_teacher_is_counted_at_its_own_size(tmp_path):
+    from hflow.tasks.tiny_models import build_causal_lm
+
+    teacher = build_causal_lm(tmp_path / "teacher", preset="tiny", seed=0, hidden_size=256, intermediate_size=512)
+    with_teacher = [f"teacher.model.path={teacher}", "algorithm.distill.coef=1", "teacher.fsdp_config.param_offload=false"]
+    plan = mp.plan_memory(builtin_config(*with_teacher), "cpu", 8 * GIB)
+    names = [p.name for p in plan.phases]
+    assert names.index("ref log-prob") < names.index("teacher log-prob") < names.index("actor update"), names
+    teacher_numel = memory_facts.model_numel(memory_facts.model_config_text(OmegaConf.create({"path": str(teacher)})))[0]
+    assert teacher_numel > 2 * plan.facts["parameters"]  # a bigger model than the student
+    # kept between its passes (fp32 on CPU), in every other phase
+    for name in ("old log-prob", "actor update", "rollout"):
+        assert phase(plan, name).components["teacher params (sharded)"] == pytest.approx(4 * teacher_numel), name
+    # its pass is traced on its own architecture, not the student's
+    assert phase(plan, "teacher log-prob").traced > phase(plan, "ref log-prob").traced
+    # offloaded between uses on a GPU: nothing of it stays in the other phases
+    offloaded = mp.plan_memory(builtin_config(*with_teacher[:2]), "cuda", 80 * GIB)
+    assert "teacher params (sharded)" not in phase(offloaded, "actor update").components
+    assert "teacher log-prob" in [p.name for p in offloaded.phases]

@@ -56,6 +56,9 @@ def files(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "config.json").write_text(config_text)
         (root / name / "model.safetensors").symlink_to(model / "model.safetensors")
+    from hflow.tasks.tiny_models import build_causal_lm
+
+    build_causal_lm(root / "other_vocab", preset="tiny", seed=0, tokenizer_kwargs={"vocab_size": 384})  # a teacher
     (root / "reward_signature.py").write_text("def compute_score(solution_str):\n    return 1.0\n")
     (root / "checkpoints" / "global_step_5").mkdir(parents=True)  # a save that died: no data/state.pt
     (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
@@ -130,6 +133,18 @@ CASES = [
     ("unknown-judge-parser", PPO, ["reward_model.enable=true", "reward_model.model.path={files}/no_tokenizer",
                                    "reward_model.style=generative", "reward_model.judge.parser=grade"],
      ["reward_model.judge.parser='grade'", "yes_no"]),
+    # on-policy distillation's teacher
+    ("distill-without-teacher", PPO, ["algorithm.distill.coef=0.5"],
+     ["algorithm.distill.coef=0.5", "teacher.model.path is null"]),
+    ("teacher-path-missing", PPO, ["algorithm.distill.coef=1", "teacher.model.path={files}/nothere"],
+     ["teacher.model.path={files}/nothere", "not a folder"]),
+    ("teacher-with-another-vocabulary", PPO, ["algorithm.distill.coef=1", "teacher.model.path={files}/other_vocab"],
+     ["the teacher ({files}/other_vocab", "the student (", "builtin-v1/model", "different vocabularies"]),
+    ("teacher-that-nothing-uses", PPO, ["teacher.model.path={files}/other_vocab"],
+     ["teacher.model.path={files}/other_vocab", "algorithm.distill.coef=0", "nothing uses the teacher"]),
+    ("distill-and-task-weights-both-zero", PPO, ["algorithm.distill.task_reward_coef=0"],
+     ["algorithm.distill.task_reward_coef=0", "no reward to learn from"]),
+    ("negative-distill-coef", PPO, ["algorithm.distill.coef=-1"], ["algorithm.distill.coef", ">= 0"]),
     # multi-turn agent rollouts
     ("tool-config-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/no.yaml"],
      ["actor_rollout_ref.rollout.multi_turn.tool_config_path", "no.yaml", "no such file"]),
