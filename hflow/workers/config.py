@@ -335,6 +335,29 @@ def resolve_device_defaults(arr: Any, cuda: bool, token_budget: int | None = Non
     return notes
 
 
+LIGER_PACKAGE = "liger-kernel"  # the distribution of `model.use_liger` (`pip install -e '.[liger]'`)
+
+
+def check_kernel_options(model_cfg: Any, prefix: str, cuda: bool | None = None) -> None:
+    """Preflight: `<prefix>.use_liger` needs the liger-kernel package and a CUDA device (its kernels are Triton)."""
+    if not model_cfg.get("use_liger"):
+        return
+    import importlib.util
+
+    if cuda is None:
+        from hflow.utils.device import is_cuda
+
+        cuda = is_cuda()
+    missing = []
+    if importlib.util.find_spec("liger_kernel") is None:
+        missing.append(f"the {LIGER_PACKAGE} package is not installed (pip install -e '.[liger]')")
+    if not cuda:
+        missing.append("there is no CUDA device (Liger's kernels are Triton GPU kernels)")
+    if missing:
+        raise ConfigError(f"{prefix}.use_liger=true but {' and '.join(missing)}; set {prefix}.use_liger=false "
+                          f"(or {prefix}.use_torch_compile=true, which works on any device)")
+
+
 def unresolved_device_keys(config: Any) -> list[str]:
     """The "by the device" keys of a trainer config still null."""
     keys = ["actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.use_dynamic_bsz",

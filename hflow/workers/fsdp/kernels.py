@@ -19,34 +19,16 @@ Call before `apply_fsdp2` (FSDP2 then wraps the compiled layers, as torchtitan d
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
 from torch import nn
 
-from hflow.utils import device
 from hflow.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-LIGER_PACKAGE = "liger-kernel"  # the distribution (`pip install -e '.[liger]'`)
-
-
-def check_kernel_options(model_cfg, prefix: str, cuda: bool | None = None) -> None:
-    """Preflight: `<prefix>.use_liger` needs the liger-kernel package and a CUDA device (its kernels are Triton)."""
-    if not model_cfg.get("use_liger"):
-        return
-    cuda = device.is_cuda() if cuda is None else cuda
-    missing = []
-    if importlib.util.find_spec("liger_kernel") is None:
-        missing.append(f"the {LIGER_PACKAGE} package is not installed (pip install -e '.[liger]', or "
-                       f"pip install {LIGER_PACKAGE})")
-    if not cuda:
-        missing.append("there is no CUDA device (Liger's kernels are Triton GPU kernels)")
-    if missing:
-        raise ConfigError(f"{prefix}.use_liger=true but {' and '.join(missing)}; set {prefix}.use_liger=false "
-                          f"(or {prefix}.use_torch_compile=true, which works on any device)")
+from hflow.workers.config import LIGER_PACKAGE
 
 
 def apply_kernel_options(model: nn.Module, use_liger: bool = False, use_torch_compile: bool = False,
