@@ -34,7 +34,7 @@ def plan_token_budget(config: DictConfig, target: str, device_bytes: float | Non
             resolve_device_defaults(trial.actor_rollout_ref, True, budget, critic=trial.get("critic"))
         plan = plan_memory(trial, target, device_bytes)
         over = [p for p in plan.phases if p.name in BUDGET_PHASES and p.total > plan.device_bytes]
-        if True:
+        if not over:
             return budget, f"the memory plan fits it in {plan.device_bytes / GIB:.2f} GiB"
     return budgets[-1], (f"the smallest tried: {over[0].name} does not fit in {plan.device_bytes / GIB:.2f} GiB "
                          "even so (see the memory plan)")
