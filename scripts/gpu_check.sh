@@ -6,8 +6,10 @@
 #      .gpu_wheels/ (filled beforehand, where there is internet, by scripts/gpu_wheels.sh), offline,
 #      into the environment of that Python, whose own torch it uses;
 #   3. runs the tests marked `gpu` (pytest -m gpu);
-#   4. runs bench/gpu_check.py, which writes bench/results/gpu_check.md (device, versions, learning on
-#      the built-in task, log-prob parity, MFU, log-prob/entropy memory) and fails if a part fails.
+#   4. runs bench/gpu_check.py parts a, b, d, which write bench/results/gpu_check.md (device, versions,
+#      learning on the built-in task, log-prob parity, log-prob/entropy memory) and fail if a part fails,
+#      then bench/actor_speed.py (hflow's actor against a plain-torch loop, arm by arm: ~4 min on an H100),
+#      which writes bench/results/actor_speed_<gpu>/actor_speed.md and .json.
 # Usage: scripts/gpu_check.sh [bench/gpu_check.py options, e.g. --parts a,c]
 #        PYTHON=/path/to/python3 (default python3: the interpreter with the machine's CUDA torch)
 set -uo pipefail
@@ -62,5 +64,14 @@ tests_summary=$(grep -E "(passed|failed|error|skipped|deselected|no tests ran)" 
 [[ $tests_rc == 5 ]] && tests_summary="no tests marked gpu were collected"
 rm -f "$tests_log"
 
-# 4. The measurements; its exit status is this script's.
-"$python" bench/gpu_check.py --tests-rc "$tests_rc" --tests-summary "${tests_summary:-exit status $tests_rc}" "$@"
+# 4. The measurements: parts a, b, d of bench/gpu_check.py (part c's speed table is replaced by
+#    bench/actor_speed.py: the actor against a plain loop, arm by arm), then the speed benchmark itself,
+#    written to bench/results/actor_speed_<GPU>/. Exit status: non-zero if either failed.
+parts=(--parts a,b,d)
+[[ " $* " == *" --parts "* ]] && parts=()
+"$python" bench/gpu_check.py "${parts[@]}" --tests-rc "$tests_rc" --tests-summary "${tests_summary:-exit status $tests_rc}" "$@"
+check_rc=$?
+gpu=$("$python" -c 'import torch; print((torch.cuda.get_device_name(0).replace("NVIDIA", "").split() or ["gpu"])[0].lower())' 2>/dev/null || echo gpu)
+"$python" bench/actor_speed.py --out "bench/results/actor_speed_${gpu}"
+speed_rc=$?
+(( check_rc == 0 && speed_rc == 0 ))

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         config = compose(args.overrides)
         target = args.target or ("cuda" if _cuda() else "cpu")
         device_bytes = args.device_memory_gb * GIB if args.device_memory_gb else None
+        from hflow.trainer.memory.defaults import resolve_for_run
+
+        resolve_for_run(config, target, device_bytes)  # the "by the device" keys, as the trainer resolves them
         plan = plan_memory(config, target, device_bytes)
         found = [] if args.no_remedies else remedies(config, plan, target)
     except UserError as err:

@@ -41,6 +41,9 @@ def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
     """Train; `user_keys` are the config keys given on the command line."""
     config = validate_config(config)  # unknown keys and wrong types stop here, naming the key
     fill_builtin_defaults(config, user_keys)
+    from hflow.trainer.memory.defaults import resolve_for_run
+
+    resolve_for_run(config)  # null "by the device" keys (token budgets on GPU), printed; before the checks read them
     preflight_check(config)
     OmegaConf.resolve(config)
     trainer = build_trainer(config)  # tokenizer, datasets, reward functions: errors before any worker starts

@@ -54,6 +54,7 @@ from hflow.workers.config import (
     check_actor_losses,
     check_actor_ranges,
     check_ema,
+    check_kernel_options,
     check_lora,
     check_model_path,
     check_offload,
@@ -103,6 +104,7 @@ def preflight_check(config: DictConfig) -> None:
     if model_ok:
         model_ok = run(check_tokenizer_path, arr.model, "actor_rollout_ref.model")
     run(check_lora, arr, "actor_rollout_ref")
+    run(check_kernel_options, arr.model, "actor_rollout_ref.model")
     run(check_health_config, config)
     run(check_reward_function, config)
     run(check_custom_reward_settings, config.custom_reward_function)
@@ -130,6 +132,8 @@ def preflight_check(config: DictConfig) -> None:
         run(load_rollout_tools, rollout.multi_turn)
     if gae:
         run(check_critic, config.critic)
+        if not arr.model.use_liger:  # the critic's follows the policy's unless set on its own
+            run(check_kernel_options, config.critic.model, "critic.model")
     run(check_rlhf_actor_details, config)
     with errors.catch():
         if n_ok and algo.adv_estimator in GROUP_ESTIMATORS and n < 2:

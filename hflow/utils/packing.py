@@ -15,9 +15,11 @@ boundaries as Python ints (`hflow_sequence_bounds`), read from the device once p
 
 - flash-attention 2 (GPU) runs its varlen kernel on `cu_seq_lens` (with `max_length_q/k` given as ints,
   transformers reads nothing back from the device per layer) and builds no mask;
-- `SDPA_VARLEN`, hflow's default where flash-attention is unavailable (CPU, or a GPU without flash-attn),
-  runs PyTorch SDPA causally on each sequence's slice of the Python bounds, so attention costs
-  sum(len_i^2), not N^2, and no layer waits for the device. Its mask builder returns no mask while
+- `SDPA_VARLEN`, hflow's default where flash-attention is unavailable (CPU, or a GPU without flash-attn):
+  on a GPU in bf16/fp16, PyTorch's own varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FlashAttention
+  inside torch, where the installed torch has it: one kernel per layer for all sequences); elsewhere (CPU,
+  fp32, an older torch) PyTorch SDPA causally on each sequence's slice of the Python bounds. Either way
+  attention costs sum(len_i^2), not N^2, and no layer waits for the device. Its mask builder returns no mask while
   `forward` runs (transformers would otherwise see the restarting position ids and build a (1, 1, N, N)
   block-diagonal mask, 1 GiB at N = 32k, that this attention never reads);
 - any other implementation (sdpa, eager, flex named explicitly) gets transformers' block-diagonal
@@ -41,13 +43,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+import inspect
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-__all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "pack_micro_batch"]
+__all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "pack_micro_batch", "per_sequence_attention",
+           "uses_varlen_kernel", "varlen_attention", "varlen_kernel",
+           "exclude_attention_from_compile"]
 
 SDPA_VARLEN = "hflow_sdpa_varlen"
 SEQUENCE_BOUNDS = "hflow_sequence_bounds"  # forward keyword: the packed offsets as a tuple of ints
@@ -92,19 +99,81 @@ def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                                f"({SEQUENCE_BOUNDS} or cu_seq_lens_q): it would attend across sequences")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    starts = kwargs.get("cu_seq_lens_q")
+    kernel = varlen_kernel()
+    if kernel is not None and dropout == 0.0 and starts is not None and uses_varlen_kernel(query):
+        longest = kwargs.get("max_length_q") or max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return varlen_attention(kernel, query, key, value, starts, int(longest), scaling), None
+    return per_sequence_attention(query, key, value, bounds, dropout, scaling), None
+
+
+def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
+                           dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """Causal SDPA on each sequence's slice of the packed row, one call per sequence.
+    query (1, H, N, D), key / value (1, H_kv, N, D) -> (1, N, H, D)."""
     gqa = query.shape[1] != key.shape[1]
     outputs = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
                                        dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
         for start, end in zip(bounds[:-1], bounds[1:])
     ]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+@lru_cache(maxsize=1)
+def varlen_kernel() -> Any:
+    """`torch.nn.attention.varlen.varlen_attn` with the keywords this torch spells causality and GQA with, as
+    `(function, causal_kwargs, has_gqa)`; None where this torch has no such kernel (before 2.10) or spells
+    causality some other way."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # torch >= 2.12: (-1, 0) is causal
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:  # the first releases
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def uses_varlen_kernel(query: torch.Tensor) -> bool:
+    """Whether a packed attention on `query` runs `varlen_kernel()`: its FlashAttention kernels exist for
+    CUDA tensors in half precision only (torch 2.13 on CPU: no kernel); elsewhere the per-sequence loop."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def varlen_attention(kernel: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     sequence_starts: torch.Tensor, longest: int, scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of every packed sequence in one call of `kernel` (`varlen_kernel()`'s triple).
+    query (1, H, N, D), key / value (1, H_kv, N, D), `sequence_starts` (S + 1,) int32 -> (1, N, H, D)."""
+    function, causal, has_gqa = kernel
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, D), the kernel's layout
+    extra = dict(causal)
+    if q.shape[1] != k.shape[1]:
+        if has_gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    starts = sequence_starts.to(device=q.device, dtype=torch.int32)
+    out = function(q, k, v, starts, starts, longest, longest, scale=scaling, **extra)
+    return out.unsqueeze(0)
 
 
 # Registered under a name of its own (transformers' extension point), chosen by
 # `hflow.workers.fsdp.default_attn_implementation` where flash-attention is unavailable; its padded masks are SDPA's.
 AttentionInterface.register(SDPA_VARLEN, _sdpa_varlen_attention)
 AttentionMaskInterface.register(SDPA_VARLEN, _sdpa_varlen_mask)
+
+
+def exclude_attention_from_compile() -> None:
+    """Register `SDPA_VARLEN` again as a function torch.compile does not trace (`use_torch_compile` compiles
+    whole decoder layers): its loop over Python sequence bounds would make every new number of sequences in a
+    micro-batch a recompile, and there is nothing to fuse in it. Eager runs are unchanged."""
+    AttentionInterface.register(SDPA_VARLEN, torch.compiler.disable(_sdpa_varlen_attention, recursive=True))
 
 
 @dataclass

@@ -184,7 +184,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
-    use_remove_padding: bool = False  # actor/ref forwards on the valid tokens packed into one row
+    use_remove_padding: Optional[bool] = None  # actor/ref forwards on the valid tokens packed into one row; None = by device
+    use_liger: bool = False  # Liger-Kernel RMSNorm/rotary/SwiGLU (hflow.workers.fsdp.kernels)
+    use_torch_compile: bool = False  # torch.compile per decoder layer
     lora_rank: int = 0  # LoRA (PEFT) adapters of this rank on the actor; 0 = train every weight
     lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
     target_modules: Any = "all-linear"  # the linears that get adapters: "all-linear" or a list of module names
@@ -217,8 +219,8 @@ class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (global)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one device
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
+    use_dynamic_bsz: Optional[bool] = None  # None = by device (`resolve_device_defaults`)
+    ppo_max_token_len_per_gpu: Optional[int] = None  # None = by device and the memory plan
     ppo_epochs: int = 1
     shuffle: bool = True
     grad_clip: float = 1.0
@@ -250,8 +252,8 @@ class RefFSDPConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16
-    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
-    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: Optional[int] = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
 
 
@@ -292,6 +294,75 @@ def check_actor_losses(actor: Any) -> None:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode: {err}") from None
     if actor.use_kl_loss:
         check_choice(actor.kl_loss_type.removesuffix("+"), KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
+
+
+# ---- keys whose null means "by the device": token-budget micro-batches on a GPU, the old behaviour on CPU ----
+
+CPU_TOKEN_BUDGET = 16384  # ppo_max_token_len_per_gpu=null on CPU, and on a GPU when no memory plan chose one
+# The budgets a GPU tries, largest first; the first whose update and log-prob passes the memory plan fits wins
+# (24576 is what verl's examples use most; >= 16k tokens amortise the per-layer host cost of a micro-batch).
+GPU_TOKEN_BUDGETS = (24576, 16384, 8192)
+
+
+def resolve_device_defaults(arr: Any, cuda: bool, token_budget: int | None = None,
+                            critic: Any = None) -> list[str]:
+    """Fill, in place, the keys of `actor_rollout_ref` (and `critic`) left null ("by the device"): on a GPU
+    remove-padding and token-budget micro-batches of `token_budget` tokens (the memory plan's choice; None:
+    CPU_TOKEN_BUDGET), on CPU neither, with CPU_TOKEN_BUDGET. Keys that follow these (the log-prob budgets,
+    the critic's switches) get the same values where they are null. Returns one "key=value" per key filled,
+    for the line the trainer prints at start. The driver calls it once with the memory plan's budget
+    (`hflow.trainer.memory.defaults`); a worker calls it again for whatever a caller of its own left null."""
+    notes: list[str] = []
+
+    def fill(section: Any, key: str, value: Any, prefix: str) -> Any:
+        if section.get(key) is None:
+            section[key] = value
+            notes.append(f"{prefix}.{key}={str(value).lower() if isinstance(value, bool) else value}")
+        return section[key]
+
+    budget = int(token_budget) if cuda and token_budget else CPU_TOKEN_BUDGET
+    fill(arr.model, "use_remove_padding", bool(cuda), "actor_rollout_ref.model")
+    dynamic = fill(arr.actor, "use_dynamic_bsz", bool(cuda), "actor_rollout_ref.actor")
+    tokens = fill(arr.actor, "ppo_max_token_len_per_gpu", budget, "actor_rollout_ref.actor")
+    for name in ("rollout", "ref"):
+        section = arr.get(name)
+        if section is not None:  # interpolations already resolved (a worker's copy): the followers are null too
+            fill(section, "log_prob_use_dynamic_bsz", dynamic, f"actor_rollout_ref.{name}")
+            fill(section, "log_prob_max_token_len_per_gpu", tokens, f"actor_rollout_ref.{name}")
+    if critic is not None:
+        fill(critic.model, "use_remove_padding", bool(arr.model.use_remove_padding), "critic.model")
+        fill(critic, "use_dynamic_bsz", dynamic, "critic")
+    return notes
+
+
+LIGER_PACKAGE = "liger-kernel"  # the distribution of `model.use_liger` (`pip install -e '.[liger]'`)
+
+
+def check_kernel_options(model_cfg: Any, prefix: str, cuda: bool | None = None) -> None:
+    """Preflight: `<prefix>.use_liger` needs the liger-kernel package and a CUDA device (its kernels are Triton)."""
+    if not model_cfg.get("use_liger"):
+        return
+    import importlib.util
+
+    if cuda is None:
+        from hflow.utils.device import is_cuda
+
+        cuda = is_cuda()
+    missing = []
+    if importlib.util.find_spec("liger_kernel") is None:
+        missing.append(f"the {LIGER_PACKAGE} package is not installed (pip install -e '.[liger]')")
+    if not cuda:
+        missing.append("there is no CUDA device (Liger's kernels are Triton GPU kernels)")
+    if missing:
+        raise ConfigError(f"{prefix}.use_liger=true but {' and '.join(missing)}; set {prefix}.use_liger=false "
+                          f"(or {prefix}.use_torch_compile=true, which works on any device)")
+
+
+def unresolved_device_keys(config: Any) -> list[str]:
+    """The "by the device" keys of a trainer config still null."""
+    keys = ["actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.use_dynamic_bsz",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
+    return [k for k in keys if OmegaConf.select(config, k) is None]
 
 
 def resolved_copy(config: Any) -> DictConfig:
@@ -342,6 +413,9 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
     `own_device`: the rollout engine has its devices to itself (a standalone engine of the rollout pool)."""
     cfg = resolved_copy(config)
     prefix = "actor_rollout_ref"
+    from hflow.utils.device import is_cuda
+
+    resolve_device_defaults(cfg, is_cuda())  # null left by a caller that is not the trainer (which resolves them)
     check_model_path(cfg.model.path, f"{prefix}.model.path")
     n = int(cfg.rollout.n)
     if n < 1:

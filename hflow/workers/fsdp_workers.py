@@ -66,11 +66,16 @@ class FSDPModelHolder:
     """What the actor and the critic share: a model in FSDP2, its optimizer, scheduler and checkpoints."""
 
     def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
-                         gradient_checkpointing: bool, train: bool, fp32_modules=()):
+                         gradient_checkpointing: bool, train: bool, fp32_modules=(), kernels=None):
+        """`kernels`: the model section whose `use_liger` / `use_torch_compile` apply (actor, ref and critic alike)."""
         from hflow.workers import fsdp
+        from hflow.workers.fsdp.kernels import apply_kernel_options
 
         # `module` was read from disk on rank 0 only (`rank0_only=True`): the shards get its weights
         cpu_offload = fsdp_config.offload_policy
+        if kernels is not None:  # before sharding: FSDP2 wraps the patched / compiled layers
+            apply_kernel_options(module, use_liger=bool(kernels.get("use_liger")),
+                                 use_torch_compile=bool(kernels.get("use_torch_compile")))
         with fsdp.weights_from_rank0(module, cpu_offload=cpu_offload):
             if gradient_checkpointing:
                 fsdp.enable_gradient_checkpointing(module)
@@ -208,7 +213,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
-                train=self._is_actor,
+                train=self._is_actor, kernels=model_cfg,
             )
         self.ptx_sampler = self.actor_ema = None
         if self._is_actor:
@@ -249,7 +254,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
                 rank0_only=True,
             )
             self.ref_module, _, _ = self._build_trainable(
-                ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False)
+                ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False,
+                kernels=model_cfg)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
         self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),
                       self._offload_param, self._offload_optim)
@@ -478,7 +484,8 @@ class CriticWorker(Worker, FSDPModelHolder):
         self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
             module, fsdp_cfg, self.config.optim,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing, train=True,
-            fp32_modules=[module.score])  # values (and the GAE built on them) in fp32, not bf16
+            fp32_modules=[module.score],  # values (and the GAE built on them) in fp32, not bf16
+            kernels=model_cfg)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer,

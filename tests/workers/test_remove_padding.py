@@ -218,14 +218,17 @@ def test_default_attention_attends_per_sequence_not_over_the_packed_row(model_di
 
 def test_workers_pass_the_model_flag_to_actor_ref_and_critic(model_dir: Path):
     config = default_config()
-    assert config.actor_rollout_ref.model.use_remove_padding is False and config.critic.model.use_remove_padding is False
+    # null: by the device (hflow.trainer.memory.defaults); a worker on CPU left with null packs nothing
+    assert config.actor_rollout_ref.model.use_remove_padding is None and config.critic.model.use_remove_padding is None
     config.actor_rollout_ref.model.path = config.critic.model.path = str(model_dir)
+    assert normalize_critic(config.critic, world_size=1).use_remove_padding is False
+    assert normalize_actor_rollout_ref(config.actor_rollout_ref, "actor_rollout_ref", 1).actor.use_remove_padding is False
     config.actor_rollout_ref.model.use_remove_padding = True
     actor_rollout_ref = normalize_actor_rollout_ref(config.actor_rollout_ref, "actor_rollout_ref", world_size=1)
     assert actor_rollout_ref.actor.use_remove_padding is True and actor_rollout_ref.ref.use_remove_padding is True
+    assert normalize_critic(config.critic, world_size=1).use_remove_padding is True  # follows the policy's
+    config.critic.model.use_remove_padding = False
     assert normalize_critic(config.critic, world_size=1).use_remove_padding is False
-    config.critic.model.use_remove_padding = True
-    assert normalize_critic(config.critic, world_size=1).use_remove_padding is True
 
 
 # ------------------------------------------------------------------ long packed rows: no N x N mask, no per-layer reads

@@ -147,6 +147,12 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
     target = target or ("cuda" if device.is_cuda() else "cpu")
     device_bytes = float(device_bytes or default_device_bytes(config, target))
     cuda = target == "cuda"
+    from hflow.workers.config import resolve_device_defaults, unresolved_device_keys
+
+    if unresolved_device_keys(config):  # a caller that did not resolve them (the trainer and the CLI do): the rule alone
+        config = config.copy()
+        with open_dict(config):
+            resolve_device_defaults(config.actor_rollout_ref, cuda, critic=config.get("critic"))
     data, arr, algo, trainer = config.data, config.actor_rollout_ref, config.algorithm, config.trainer
     actor, rollout, ref_cfg, model_cfg = arr.actor, arr.rollout, arr.ref, arr.model
     n, batch = int(rollout.n), int(data.train_batch_size)

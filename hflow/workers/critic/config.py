@@ -33,7 +33,9 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = ref("actor_rollout_ref.model.trust_remote_code")
     value_head_init: str = "zero"  # zero | normal; unused when path is a reward model's folder
-    use_remove_padding: bool = False  # critic forwards on the valid tokens packed into one row
+    use_remove_padding: Optional[bool] = ref("actor_rollout_ref.model.use_remove_padding")  # None = by device
+    use_liger: bool = ref("actor_rollout_ref.model.use_liger")
+    use_torch_compile: bool = ref("actor_rollout_ref.model.use_torch_compile")
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -50,7 +52,7 @@ class CriticConfig:
     ppo_mini_batch_size: int = ref("actor_rollout_ref.actor.ppo_mini_batch_size")  # prompts (global)
     ppo_micro_batch_size_per_gpu: int = ref("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     forward_micro_batch_size_per_gpu: int = ref("critic.ppo_micro_batch_size_per_gpu")
-    use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = ref("critic.ppo_max_token_len_per_gpu")
     ppo_epochs: int = ref("actor_rollout_ref.actor.ppo_epochs")
@@ -98,6 +100,11 @@ def check_critic_batches(critic: Any, batch_prompts: int, n: int, world_size: in
 def normalize_critic(config: DictConfig, world_size: int) -> DictConfig:
     """The worker's copy of `critic`, checked with the group's real size, with per-rank batch sizes."""
     cfg = resolved_copy(config)
+    from hflow.utils.device import is_cuda
+
+    for section, key in ((cfg.model, "use_remove_padding"), (cfg, "use_dynamic_bsz")):
+        if section[key] is None:  # by the device; the trainer resolves them first (resolve_device_defaults)
+            section[key] = is_cuda()
     check_model_path(cfg.model.path, "critic.model.path")
     check_value_head(cfg.model, "critic.model")
     cfg.ppo_mini_batch_size_per_rank = per_rank_mini_batch(

@@ -49,7 +49,7 @@ def _mixed_precision_policy(mixed_precision: MixedPrecisionPolicy | Mapping[str,
     )
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks: modules whose class is in `_no_split_modules` (HF's list of
     blocks that must stay whole), else the entries of `model.model.layers`."""
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -175,7 +175,7 @@ def apply_fsdp2(
     gather_once_per_pass = resolve_gather_once(model, gather_once_per_pass, kwargs["mp_policy"])
     kwargs["offload_policy"] = CPUOffloadPolicy() if shards_on_host(cpu_offload) else OffloadPolicy()
     units: list[tuple[nn.Module, bool]] = []
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
         units.append((layer, reshard_after_forward))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)

@@ -67,8 +67,8 @@ class RolloutConfig:
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
-    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
-    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: Optional[int] = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
