@@ -15,6 +15,8 @@ KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straigh
 KL_CONTROLLERS = ("fixed", "adaptive")
 # Estimators that compare the samples of one prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline")
+# What the step/turn rewards of multi-turn episodes (tools, environments, simulated users) do.
+TURN_REWARD_MODES = ("ignore", "token", "turn_return")
 
 
 @dataclass
@@ -50,6 +52,8 @@ class AlgorithmConfig:
     stop_token: Optional[str] = None  # the reward sees each response cut after this (one-token) text
     missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    turn_rewards: str = "ignore"  # ignore | token (added on their turn's last token) | turn_return (GRPO on turn returns)
+    turn_gamma: float = 1.0  # turn_return: the discount per turn
 
 
 def check_adv_estimator(algo) -> None:
@@ -97,3 +101,15 @@ def check_reward_clip(algo) -> None:
     if algo.missing_stop_penalty is not None and algo.stop_token is None:
         raise ConfigError("algorithm.missing_stop_penalty scores the responses without algorithm.stop_token, which is "
                           "null; set algorithm.stop_token too, or algorithm.missing_stop_penalty=null")
+
+
+def check_turn_rewards(algo) -> None:
+    """`algorithm.turn_rewards`: a known mode, `turn_return` only with GRPO (the estimator it replaces),
+    `turn_gamma` in [0, 1]."""
+    check_choice(algo.turn_rewards, TURN_REWARD_MODES, "algorithm.turn_rewards")
+    check_fraction(algo.turn_gamma, "algorithm.turn_gamma", "the discount per turn")
+    if algo.turn_rewards == "turn_return" and algo.adv_estimator != "grpo":
+        raise ConfigError(f"algorithm.turn_rewards=turn_return computes GRPO's advantages on turn-level returns, but "
+                          f"algorithm.adv_estimator={algo.adv_estimator}; use adv_estimator=grpo, or "
+                          "turn_rewards=token (the rewards on their turn's last token, which gae and the outcome "
+                          "estimators read)")
