@@ -36,6 +36,9 @@ import yaml
 from hflow.utils.errors import ConfigError, UserError
 from hflow.utils.user_code import LOADED_FILES, exec_file
 
+# `agent_name`s of verl's built-in agent loops (a verl data set names them): hflow's loop is both.
+VERL_AGENT_LOOPS = ("tool_agent", "single_turn_agent")
+
 __all__ = ["BaseEnv", "EnvSpec", "EnvTable", "load_class", "load_envs", "read_yaml_list"]
 
 
@@ -82,6 +85,8 @@ class EnvTable:
 
     def for_row(self, row: Mapping[str, Any], where: str) -> EnvSpec | None:
         name = row.get("agent_name")
+        if name in VERL_AGENT_LOOPS:  # a verl data set's own loops: the loop hflow runs anyway
+            name = None
         if name is not None and name in self.by_name:
             return self.by_name[name]
         if name is not None and not self.by_source.get(row.get("data_source")):
