@@ -67,6 +67,13 @@ class ToolMessageEncoder:
     def encode(self, messages: Sequence[dict]) -> list[int]:
         return list(self.tokenizer.encode(self.text(messages), add_special_tokens=False))
 
+    def after_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """The ids that put `messages` (an environment's first observation) after a prompt that ends with the
+        generation prompt: the EOS that closes that (empty) assistant turn, then `encode(messages)`. The
+        prompt's ids stay as the dataset made them; the model sees an empty turn, then the messages."""
+        eos = list(self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False))
+        return eos + self.encode(messages)
+
 
 def truncate_text(text: str, max_chars: int | None, side: str = "middle") -> str:
     """`text` cut to at most `max_chars` characters (None or <= 0: unchanged), keeping its `side`'s

@@ -21,7 +21,7 @@ class MultiTurnConfig:
 
     enable: bool = False
     max_assistant_turns: Optional[int] = None  # None = until the response budget is spent
-    max_user_turns: Optional[int] = None  # tool-result turns; None = no limit
+    max_user_turns: Optional[int] = None  # tool, environment and simulated-user messages; None = no limit
     max_parallel_calls: int = 1  # tool calls run per assistant turn (more get an error result)
     max_tool_response_length: Optional[int] = 256  # characters of a tool result the model sees; None = all
     tool_response_truncate_side: str = "middle"  # left | right | middle
@@ -29,6 +29,9 @@ class MultiTurnConfig:
     format: str = "hermes"  # tool-call parser (hflow.agent.parsers.register_parser adds others)
     tool_timeout_s: float = 30.0  # per call; a call past it returns an error result to the model
     max_concurrent_tools: int = 64  # tool calls running at once per rollout rank
+    interaction_config_path: Optional[str] = None  # verl's interaction YAML (simulated users); None = none
+    env_config_path: Optional[str] = None  # YAML of environments (hflow.agent.env); None = none
+    env_timeout_s: float = 30.0  # per environment / interaction call; past it the episode ends (env_timeout)
 
 
 def check_multi_turn(multi_turn: Any) -> None:
@@ -49,9 +52,10 @@ def check_multi_turn(multi_turn: Any) -> None:
         with errors.catch():
             if int(multi_turn[key]) < 1:
                 raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}; it must be >= 1")
-    with errors.catch():
-        if not float(multi_turn.tool_timeout_s) > 0:
-            raise ConfigError(f"{PREFIX}.tool_timeout_s={multi_turn.tool_timeout_s}; give a positive number of seconds")
+    for key in ("tool_timeout_s", "env_timeout_s"):
+        with errors.catch():
+            if not float(multi_turn[key]) > 0:
+                raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}; give a positive number of seconds")
     errors.run(check_choice, multi_turn.tool_response_truncate_side, TRUNCATE_SIDES,
                f"{PREFIX}.tool_response_truncate_side")
     with errors.catch():
@@ -64,4 +68,10 @@ def check_multi_turn(multi_turn: Any) -> None:
                 and not Path(str(multi_turn.tool_config_path)).expanduser().is_file()):
             raise ConfigError(f"{PREFIX}.tool_config_path={multi_turn.tool_config_path}: no such file; point it at "
                               "a YAML with a 'tools:' list, or leave it null for the built-in calculator")
+    for key, what in (("interaction_config_path", "an 'interaction:' list (verl's layout)"),
+                      ("env_config_path", "an 'envs:' list")):
+        with errors.catch():
+            if multi_turn[key] is not None and not Path(str(multi_turn[key])).expanduser().is_file():
+                raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}: no such file; point it at a YAML with {what}, "
+                                  "or leave it null")
     errors.raise_any()

@@ -96,6 +96,10 @@ def _load_entry(entry: Any, path: str, index: int) -> BaseTool:
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where}.config must be a mapping (or left out), got {_describe(config)}")
     config = _plain(config)
+    kind = config.pop("type", "native")  # verl's files mark each tool "native" (or "mcp", a server's tools)
+    if kind != "native":
+        raise ConfigError(f"{where}.config.type={kind!r}: hflow runs native tools only (a class or a function); "
+                          "drop the key or set it to native")
     if "class_name" in entry:
         cls = _tool_class(entry["class_name"], where)
         schema = entry.get("tool_schema")

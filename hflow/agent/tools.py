@@ -41,6 +41,7 @@ __all__ = [
     "PythonTool",
     "ToolError",
     "ToolOutcome",
+    "create_instance",
     "malformed_outcome",
     "run_in_thread",
     "run_tool_call",
@@ -109,8 +110,9 @@ class BaseTool(ABC):
     `tool_schema` is ``{"type": "function", "function": {"name", "description", "parameters"}}``;
     `config` is the tool's own settings. A subclass that sets `DEFAULT_SCHEMA` may be built without one.
     `create` keeps the row's create kwargs in ``self.instances[instance_id]`` until `release`.
-    `run_tool_call` makes an instance per call, so a call's step reward is what `execute` returns;
-    `calc_reward` is kept for verl's interface (tools driven by a loop that keeps instances longer).
+    The agent loop creates one instance per tool and episode (with the row's create_kwargs), runs every
+    call of the episode on it (so a tool can keep state across turns), and at the episode's end asks its
+    `calc_reward` and `release`s it, whatever ended the episode: verl's lifecycle.
     """
 
     DEFAULT_SCHEMA: dict | None = None
@@ -269,8 +271,11 @@ async def run_tool_call(
     *,
     tools_kwargs: Mapping | None = None,
     timeout_s: float = 30.0,
+    instances: Mapping[str, str] | None = None,
 ) -> ToolOutcome:
-    """Run `call` with its tool: create, execute, release (always), all within `timeout_s`.
+    """Run `call` with its tool within `timeout_s`: on the episode's instance of the tool when `instances`
+    (tool name -> instance id) has one, so the tool keeps its state across the episode's calls; else on
+    an instance of its own (create, execute, release always).
 
     `tools_kwargs` is the row's ``extra_info.tools_kwargs``: ``{name: {"create_kwargs": {...},
     "execute_kwargs": {...}}}``. Never raises (but a cancellation of the caller propagates).
@@ -281,13 +286,13 @@ async def run_tool_call(
         return ToolOutcome(text, error, time.perf_counter() - start, reward, metrics or {})
 
     try:
-        return await _run_call(tools, call, tools_kwargs, timeout_s, outcome)
+        return await _run_call(tools, call, tools_kwargs, timeout_s, outcome, instances or {})
     except Exception as exc:  # noqa: BLE001 - a bad tools_kwargs row or schema: still an outcome, never a raise
         return outcome(_error_text(f"{type(exc).__name__}: {_clip(str(exc), _MESSAGE_CHARS)}"), "raised")
 
 
 async def _run_call(tools: Mapping[str, BaseTool], call: ToolCall, tools_kwargs: Mapping | None, timeout_s: float,
-                    outcome: Callable[..., ToolOutcome]) -> ToolOutcome:
+                    outcome: Callable[..., ToolOutcome], instances: Mapping[str, str]) -> ToolOutcome:
     tool = tools.get(call.name)
     if tool is None:
         available = ", ".join(tools) or "none"
@@ -296,8 +301,12 @@ async def _run_call(tools: Mapping[str, BaseTool], call: ToolCall, tools_kwargs:
     if problems:
         return outcome(_error_text(f"bad arguments for {call.name}: {'; '.join(problems)}"), "bad_arguments")
     row = (tools_kwargs or {}).get(call.name) or {}
-    task = asyncio.ensure_future(_create_execute_release(
-        tool, dict(call.arguments), row.get("create_kwargs") or {}, row.get("execute_kwargs") or {}))
+    if call.name in instances:
+        task = asyncio.ensure_future(_execute(tool, instances[call.name], dict(call.arguments),
+                                              row.get("execute_kwargs") or {}))
+    else:
+        task = asyncio.ensure_future(_create_execute_release(
+            tool, dict(call.arguments), row.get("create_kwargs") or {}, row.get("execute_kwargs") or {}))
     try:
         await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:
@@ -320,16 +329,31 @@ async def _run_call(tools: Mapping[str, BaseTool], call: ToolCall, tools_kwargs:
     return outcome(text, None, reward, metrics)
 
 
+async def create_instance(tool: BaseTool, create_kwargs: Mapping) -> str:
+    """A new instance of `tool` for the row's `create_kwargs`; its id. verl's tools return
+    ``(instance_id, response)`` from ``create``; hflow's the id alone: both are taken."""
+    created = await tool.create(uuid.uuid4().hex, **create_kwargs)
+    instance_id = created[0] if isinstance(created, tuple) else created
+    if not isinstance(instance_id, str):
+        raise TypeError(f"{type(tool).__name__}.create returned {created!r}, not an instance id (str)")
+    return instance_id
+
+
 async def _create_execute_release(tool: BaseTool, arguments: dict, create_kwargs: Mapping,
                                   execute_kwargs: Mapping) -> tuple[str, float, dict]:
-    instance_id = await tool.create(**create_kwargs)
+    instance_id = await create_instance(tool, create_kwargs)
     try:
-        result = await tool.execute(instance_id, arguments, **execute_kwargs)
+        return await _execute(tool, instance_id, arguments, execute_kwargs)
     finally:
         await tool.release(instance_id)
+
+
+async def _execute(tool: BaseTool, instance_id: str, arguments: dict, execute_kwargs: Mapping) -> tuple[str, float, dict]:
+    result = await tool.execute(instance_id, arguments, **execute_kwargs)
     if isinstance(result, tuple) and len(result) == 3:
         text, reward, metrics = result
-        return _as_text(text), float(reward), dict(metrics or {})
+        text = getattr(text, "text", text)  # verl's ToolResponse carries its text in .text
+        return _as_text("" if text is None else text), float(reward or 0.0), dict(metrics or {})
     raise TypeError(f"{type(tool).__name__}.execute returned {type(result).__name__}, "
                     "not a tuple (text, reward, metrics)")
 

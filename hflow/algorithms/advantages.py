@@ -307,4 +307,63 @@ def compute_remax_outcome_advantage(
     return advantages, returns
 
 
-# ==================================================================================================
+# --------------------------------------------------------------------------------------------------
+# Turn-level returns (multi-turn episodes, `algorithm.turn_rewards=turn_return`)
+# --------------------------------------------------------------------------------------------------
+
+
+def credit_turn_rewards(scores: torch.Tensor, turn_rewards: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """The token-level scores an estimator reads: the outcome `scores` alone with mode ``ignore`` (the very
+    tensor: nothing changes), else plus the step/turn rewards, each already on its turn's last sampled token."""
+    if mode == "ignore":
+        return scores
+    return scores + turn_rewards
+
+
+@torch.no_grad()
+def compute_turn_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                         turn_gamma: float) -> torch.Tensor:
+    """Return-to-go with one discount per *turn*: a turn is a run of valid (sampled) tokens, the masked
+    tool / user tokens between runs separate turns. G_t = r_t + G_next within a turn, and
+    G_t = r_t + turn_gamma * G_next at the last token of a turn; masked positions are skipped and get 0.
+    With rewards only on turn ends, every token of turn k holds G_k = sum_{j >= k} turn_gamma^(j-k) R_j."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    following = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=-1)
+    turn_end = (mask > 0) & (following == 0)
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        m = mask[:, t]
+        discount = torch.where(turn_end[:, t], float(turn_gamma), 1.0)
+        running = m * (token_level_rewards[:, t] + discount * running) + (1 - m) * running
+        returns[:, t] = m * running
+    return returns
+
+
+@torch.no_grad()
+def compute_grpo_turn_return_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    turn_gamma: float = 1.0,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO on turn-level returns: A_t = (G_t - mean_G G_0) / (std_G G_0 + epsilon), where G_t is the
+    per-turn discounted return-to-go (`compute_turn_returns`) and G_0 the episode's return at its first
+    sampled token; the group's statistics are those of the episodes' returns, as GRPO's are of their
+    scores. A later turn is credited with what follows it only, so a turn reward trains the turns up to
+    it. With a single reward at the episode's end and turn_gamma 1, this is GRPO exactly.
+    returns = the turn-level returns G_t."""
+    returns = compute_turn_returns(token_level_rewards, response_mask, turn_gamma)
+    mask = response_mask.to(returns.dtype)
+    rows = torch.arange(len(returns), device=returns.device)
+    first = returns[rows, mask.argmax(dim=-1)]
+    size, total, std = _group_stats(first, _group_ids(index, first.device))
+    single = size == 1
+    mean = torch.where(single, 0.0, total / size)
+    std = torch.where(single, 1.0, std)
+    advantages = returns - mean.unsqueeze(-1)
+    if norm_adv_by_std_in_grpo:
+        advantages = advantages / (std.unsqueeze(-1) + epsilon)
+    return advantages * mask, returns

@@ -15,6 +15,8 @@ KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straigh
 KL_CONTROLLERS = ("fixed", "adaptive")
 # Estimators that compare the samples of one prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline")
+# What the step/turn rewards of multi-turn episodes (tools, environments, simulated users) do.
+TURN_REWARD_MODES = ("ignore", "token", "turn_return")
 
 
 @dataclass
@@ -57,6 +59,10 @@ class AlgorithmConfig:
     missing_stop_penalty: Optional[float] = None  # the score of a response without stop_token
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+    turn_rewards: str = "ignore"  # ignore | token (added on their turn's last token) | turn_return (GRPO on turn returns)
+    turn_gamma: float = 1.0  # turn_return: the discount per turn
 
 
 def check_adv_estimator(algo) -> None:
@@ -118,3 +124,15 @@ def check_distill_coefs(algo) -> None:
     if float(distill.coef) == 0 and float(distill.task_reward_coef) == 0:
         raise ConfigError("algorithm.distill.coef=0 and algorithm.distill.task_reward_coef=0 leave no reward to learn "
                           "from; set algorithm.distill.coef > 0 (with teacher.model.path) or task_reward_coef > 0")
+
+
+def check_turn_rewards(algo) -> None:
+    """`algorithm.turn_rewards`: a known mode, `turn_return` only with GRPO (the estimator it replaces),
+    `turn_gamma` in [0, 1]."""
+    check_choice(algo.turn_rewards, TURN_REWARD_MODES, "algorithm.turn_rewards")
+    check_fraction(algo.turn_gamma, "algorithm.turn_gamma", "the discount per turn")
+    if algo.turn_rewards == "turn_return" and algo.adv_estimator != "grpo":
+        raise ConfigError(f"algorithm.turn_rewards=turn_return computes GRPO's advantages on turn-level returns, but "
+                          f"algorithm.adv_estimator={algo.adv_estimator}; use adv_estimator=grpo, or "
+                          "turn_rewards=token (the rewards on their turn's last token, which gae and the outcome "
+                          "estimators read)")

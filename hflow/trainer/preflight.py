@@ -26,6 +26,7 @@ from hflow.algorithms.config import (
     check_kl_in_reward,
     check_old_log_probs,
     check_reward_clip,
+    check_turn_rewards,
 )
 from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_positive
 from hflow.reward.config import (
@@ -128,8 +129,22 @@ def preflight_check(config: DictConfig) -> None:
     if rollout.multi_turn.enable and run(check_multi_turn, rollout.multi_turn):
         from hflow.workers.rollout.multi_turn import load_rollout_tools
 
-        # the tools load now: ConfigError naming the file, the tool and the key
+        # the tools, environments and simulated users load now: ConfigError naming the file, the entry, the key
         run(load_rollout_tools, rollout.multi_turn)
+        if rollout.multi_turn.env_config_path is not None:
+            from hflow.agent.env import load_envs
+
+            run(load_envs, rollout.multi_turn.env_config_path)
+        if rollout.multi_turn.interaction_config_path is not None:
+            from hflow.agent.interactions import load_interactions
+
+            run(load_interactions, rollout.multi_turn.interaction_config_path)
+    run(check_turn_rewards, algo)
+    with errors.catch():
+        if algo.turn_rewards != "ignore" and not rollout.multi_turn.enable:
+            raise ConfigError(f"algorithm.turn_rewards={algo.turn_rewards} trains on the turn rewards of multi-turn "
+                              "episodes, but actor_rollout_ref.rollout.multi_turn.enable=false; enable it, or set "
+                              "algorithm.turn_rewards=ignore")
     if gae:
         run(check_critic, config.critic)
         if not arr.model.use_liger:  # the critic's follows the policy's unless set on its own

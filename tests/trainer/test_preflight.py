@@ -173,6 +173,13 @@ RANGES = [
      ["actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5", "null for no limit"]),
     (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=0"],
      ["max_tool_response_length=0"]),
+    # issue 34: environments, simulated users, turn rewards
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.env_timeout_s=0"],
+     ["actor_rollout_ref.rollout.multi_turn.env_timeout_s=0", "positive number of seconds"]),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.env_config_path=/no.yaml"],
+     ["multi_turn.env_config_path=/no.yaml: no such file", "'envs:' list"]),
+    (["algorithm.turn_rewards=token"], ["algorithm.turn_rewards=token", "multi_turn.enable=false"]),
+    (["algorithm.turn_gamma=2"], ["algorithm.turn_gamma"]),
     # reward: timeouts, retries, batch sizes (the remote scorer's whether or not .url is set)
     (["custom_reward_function.timeout_s=0"], ["custom_reward_function.timeout_s=0", "null for no limit"]),
     (["custom_reward_function.request_timeout_s=-1"], ["custom_reward_function.request_timeout_s"]),

@@ -55,12 +55,13 @@ def hf_model(tiny_model_dir, tiny_tokenizer):
 
 
 @torch.no_grad()
-def end_turns_often(model, tokenizer):
-    """Point the EOS logit row along the mean final hidden state of random inputs (in place)."""
+def end_turns_often(model, tokenizer, strength: float = 0.12):
+    """Point the EOS logit row along the mean final hidden state of random inputs (in place); a larger
+    `strength` ends turns sooner."""
     ids = torch.randint(10, 500, (8, 64), generator=torch.Generator().manual_seed(0))
     hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
     mean = hidden.mean(0)
-    model.lm_head.weight[tokenizer.eos_token_id] = 0.12 * mean / mean.norm() * hidden.norm(dim=-1).mean()
+    model.lm_head.weight[tokenizer.eos_token_id] = strength * mean / mean.norm() * hidden.norm(dim=-1).mean()
     return model
 
 

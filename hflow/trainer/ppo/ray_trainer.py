@@ -88,8 +88,13 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
         "lam": algorithm.lam,
         "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
     }
-    advantages, returns = core_algos.call_adv_estimator(
-        algorithm.adv_estimator, **{k: v for k, v in inputs.items() if v is not None})
+    if algorithm.turn_rewards == "turn_return":  # GRPO on per-turn returns (preflight: adv_estimator is grpo)
+        advantages, returns = core_algos.compute_grpo_turn_return_advantage(
+            inputs["token_level_rewards"], inputs["response_mask"], inputs["index"], turn_gamma=algorithm.turn_gamma,
+            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
+    else:
+        advantages, returns = core_algos.call_adv_estimator(
+            algorithm.adv_estimator, **{k: v for k, v in inputs.items() if v is not None})
     batch.batch["advantages"] = advantages
     batch.batch["returns"] = returns
 
@@ -327,6 +332,8 @@ class RayPPOTrainer:
                 scores, clip_metrics = reward_shaping.clip_sequence_scores(
                     scores, batch.batch["response_mask"], float(algo.reward_clip))
                 metrics.update(clip_metrics)
+            # the tools', environments' and simulated users' rewards, on their turns (algorithm.turn_rewards)
+            scores = core_algos.credit_turn_rewards(scores, batch.batch.get("turn_rewards"), algo.turn_rewards)
             if self.use_teacher:  # on-policy distillation: + coef x (teacher - student log-prob) per sampled token
                 scores, distill_metrics = mix_distillation_reward(
                     scores, batch.batch["teacher_log_prob"], batch.batch["old_log_probs"],

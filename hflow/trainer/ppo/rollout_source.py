@@ -38,7 +38,7 @@ def timer(name: str, timing: dict[str, float]):
 def pop_generation_inputs(batch: DataProto) -> DataProto:
     """Move what generation reads (prompt ids, masks, positions, raw prompts) out of `batch`."""
     return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
+                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt", "tools_kwargs", "agent_kwargs")
                                             if k in batch.non_tensor_batch])
 
 

@@ -46,7 +46,8 @@ class RLHFDataset(Dataset):
         files_key: the config key the files came from, for error messages.
         tools: OpenAI function schemas of a multi-turn rollout's tools: the chat template gets them (as
             ``tools=``, for templates that describe tools in the prompt) and items carry ``tools_kwargs``
-            (``extra_info.tools_kwargs``, {} when absent).
+            (``extra_info.tools_kwargs``, {} when absent) and ``agent_kwargs`` (the row's data_source,
+            agent_name, extra_info and prompt messages, for environments and simulated users).
 
     An item has ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
     ``max_prompt_length``, left-padded), ``raw_prompt_ids`` (the unpadded ids, for vLLM),
@@ -128,6 +129,10 @@ class RLHFDataset(Dataset):
         if self.tools:  # multi-turn: each tool's create/execute kwargs for this sample
             tools_kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
             row["tools_kwargs"] = tools_kwargs or {}
+            # what the agent loop's environment / simulated user reads of the row
+            row["agent_kwargs"] = {"data_source": row.get(self.reward_fn_key), "agent_name": row.get("agent_name"),
+                                   "extra_info": extra_info if isinstance(extra_info, dict) else {},
+                                   "prompt": messages}
         return row
 
     # ---- loading ---------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ prompt) instead of one response, and the output keeps the rollout contract of
     rollout_log_probs  sampler log-probs on sampled tokens, 0.0 elsewhere
     rollout_versions   (when weights can change during generation) the policy version that sampled each
                        token, -1 on tool tokens and padding
+    turn_rewards       (B·n, L) float32: the step/turn rewards of tools, environments and simulated users,
+                       each on the last sampled token of the turn it judges (0 elsewhere); the trainer
+                       trains on them only with `algorithm.turn_rewards` other than `ignore`
     episode            (non-tensor) the episode: messages, tool calls with results, turns, how it ended
 
 and `meta_info["metrics"]` carries the `agent/*` metrics.
@@ -25,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hflow.agent.env import load_envs
+from hflow.agent.interactions import load_interactions
 from hflow.agent.loop import AgentLoop, Episode, TurnEngine, agent_metrics
 from hflow.agent.parsers import get_parser
 from hflow.agent.tool_config import builtin_tools, load_tools, tool_schemas
@@ -48,8 +53,11 @@ class MultiTurnRollout:
         self.tokenizer = tokenizer
         self.response_length = int(config.response_length)
         tools = load_rollout_tools(multi_turn)
-        self.loop = AgentLoop(tokenizer, multi_turn, tools,
-                              get_parser(str(multi_turn.format)), self.response_length, tool_schemas(tools))
+        envs = load_envs(multi_turn.env_config_path) if multi_turn.env_config_path else None
+        interactions = (load_interactions(multi_turn.interaction_config_path)
+                        if multi_turn.interaction_config_path else None)
+        self.loop = AgentLoop(tokenizer, multi_turn, tools, get_parser(str(multi_turn.format)), self.response_length,
+                              tool_schemas(tools), envs=envs, interactions=interactions)
 
     def generate(
         self,
@@ -65,10 +73,13 @@ class MultiTurnRollout:
         ids = [row for row in prompt_token_ids(prompts) for _ in range(n)]
         kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         tools_kwargs = [_as_dict(k, i) for i, k in enumerate(kwargs) for _ in range(n)] if kwargs is not None else None
+        agent_kwargs = prompts.non_tensor_batch.get("agent_kwargs")  # the rows' data_source, extra_info, ...
+        rows = [_as_dict(k, i, "agent_kwargs") for i, k in enumerate(agent_kwargs) for _ in range(n)] \
+            if agent_kwargs is not None else None
         eos = prompts.meta_info["eos_token_id"]
         started = time.perf_counter()
         episodes = self.loop.run(engine, ids, eos_token_ids=[int(t) for t in np.atleast_1d(eos)],
-                                 tools_kwargs=tools_kwargs, agree=agree, all_done=all_done)
+                                 tools_kwargs=tools_kwargs, agree=agree, all_done=all_done, rows=rows)
         output = self._assemble(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs)
         output.meta_info["metrics"] = agent_metrics(episodes, time.perf_counter() - started)
         return output
@@ -82,16 +93,18 @@ class MultiTurnRollout:
         log_probs = pad_log_probs([e.log_probs for e in episodes], width) if calculate_log_probs else None
         output = assemble_rollout_output(prompts, responses, n, log_probs, response_attention_mask=attention)
         output.batch["response_mask"] = pad_2d_list_to_length([e.loss_mask for e in episodes], 0, max_length=width)
+        output.batch["turn_rewards"] = torch.tensor([e.token_rewards(width) for e in episodes], dtype=torch.float32)
         if any(v >= 0 for e in episodes for v in e.versions):  # the engine recorded them (weight updates in flight)
             output.batch["rollout_versions"] = pad_2d_list_to_length([e.versions for e in episodes], -1, max_length=width)
         output.non_tensor_batch["episode"] = np.array([e.summary() for e in episodes], dtype=object)
         return output
 
 
-def _as_dict(value: Any, row: int) -> Mapping[str, Any]:
+def _as_dict(value: Any, row: int, key: str = "tools_kwargs") -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"extra_info.tools_kwargs of prompt {row} in this batch is a {type(value).__name__}; give a "
-                         "mapping of tool name -> {create_kwargs: {...}, execute_kwargs: {...}} (or leave it out)")
+        what = ("give a mapping of tool name -> {create_kwargs: {...}, execute_kwargs: {...}} (or leave it out)"
+                if key == "tools_kwargs" else "the dataset makes it a mapping (data_source, extra_info, ...)")
+        raise ValueError(f"{key} of prompt {row} in this batch is a {type(value).__name__}; {what}")
     return value
