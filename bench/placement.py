@@ -747,6 +747,14 @@ LONGTAIL_CONFIGS = {
     **{f"async{k}+partial": [f"trainer.async_steps={k}", "actor_rollout_ref.rollout.partial_rollout=true"]
        for k in (1, 2, 4)},
 }
+# The same with continuous admission (`rollout.admission=continuous`: samples routed to the least-loaded
+# engine, the next batch admitted while a tail runs); the configurations above are static admission's.
+LONGTAIL_CONFIGS.update({f"{name}+continuous": [*overrides, "actor_rollout_ref.rollout.admission=continuous"]
+                         for name, overrides in list(LONGTAIL_CONFIGS.items())})
+for _overrides in LONGTAIL_CONFIGS.values():
+    if "actor_rollout_ref.rollout.admission=continuous" not in _overrides:
+        _overrides.append("actor_rollout_ref.rollout.admission=static")
+LONGTAIL_DEFAULT_CONFIGS = ("sync", "async1", "async2", "async4", "async1+partial", "async2+partial", "async4+partial")
 LONGTAIL_MARKERS = ("<!-- longtail:start -->", "<!-- longtail:end -->")
 
 SLOW_TOOL = '''"""The built-in calculator, late for some calls (bench/placement.py --longtail wrote this file)."""
@@ -780,7 +788,7 @@ def write_slow_tools(folder: Path, spec: dict) -> Path:
     return path
 
 
-def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tools: Path) -> list[str]:
+def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tools: Path, engines: int = 1) -> list[str]:
     return [
         "actor_rollout_ref.rollout.multi_turn.enable=true",  # no model or data: the built-in agentic task
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
@@ -788,8 +796,8 @@ def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tool
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.reuse_update_log_probs=false", "algorithm.use_rollout_log_probs=false",
         f"data.seed={SEED}", f"trainer.seed={SEED}", f"actor_rollout_ref.rollout.seed={SEED}",
-        "trainer.placement=split", f"trainer.n_gpus_per_node={DEVICES}", "trainer.rollout_n_gpus=1",
-        "trainer.nnodes=1", "trainer.cpus_per_worker=1", f"ray_init.num_cpus={DEVICES}",
+        "trainer.placement=split", f"trainer.n_gpus_per_node={1 + engines}", f"trainer.rollout_n_gpus={engines}",
+        "trainer.nnodes=1", "trainer.cpus_per_worker=1", f"ray_init.num_cpus={1 + engines}",
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
         "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.resume_mode=disable",
         "trainer.logger=[jsonl]", f"trainer.log_dir={work / 'logs'}", f"trainer.default_local_dir={work / 'ckpt'}",
@@ -1122,11 +1130,12 @@ def replace_section(md: Path, text: str) -> None:
 
 
 def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    configs = [c for c in (args.configs or ",".join(LONGTAIL_CONFIGS)).split(",") if c]
+    configs = [c for c in (args.configs or ",".join(LONGTAIL_DEFAULT_CONFIGS)).split(",") if c]
     unknown = set(configs) - set(LONGTAIL_CONFIGS)
     if unknown:
         raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {list(LONGTAIL_CONFIGS)}")
-    spec = {**LONGTAIL, "steps": args.steps or LONGTAIL["steps"], "test_freq": args.test_freq or LONGTAIL["test_freq"],
+    spec = {**LONGTAIL, "engines": args.engines, "steps": args.steps or LONGTAIL["steps"],
+            "test_freq": args.test_freq or LONGTAIL["test_freq"],
             "warmup": LONGTAIL["warmup"] if args.warmup is None else args.warmup}
     for key in ("slow_p", "slow_min_s"):
         if getattr(args, key) is not None:
@@ -1147,7 +1156,8 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
             log(f"run {index + 1}/{len(order)}: longtail {config} repetition {rep + 1} ({spec['steps']} steps, "
                 f"load {load_1min():.1f}) ...")
             try:
-                entry = run_trainer(longtail_overrides(config, spec["steps"], spec["test_freq"], work, tools), work)
+                entry = run_trainer(longtail_overrides(config, spec["steps"], spec["test_freq"], work, tools,
+                                                       spec["engines"]), work)
                 entry["tail"] = episode_tail(work / "rollouts")
             except subprocess.CalledProcessError as error:
                 tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
@@ -1178,6 +1188,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the long-tailed workload and its configurations instead (see the docstring)")
     parser.add_argument("--configs", help=f"--longtail: comma-separated, of {list(LONGTAIL_CONFIGS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="--longtail: label the report a smoke run")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="--longtail: rollout engines (devices of the rollout pool; one more trains)")
     parser.add_argument("--slow-p", type=float, help=f"--longtail: share of slow tool calls (default {LONGTAIL['slow_p']})")
     parser.add_argument("--slow-min-s", type=float,
                         help=f"--longtail: a slow call's shortest sleep, s (default {LONGTAIL['slow_min_s']})")

@@ -39,6 +39,7 @@ __all__ = ["AgentLoop", "Episode", "ToolRunner", "TurnEngine", "TurnResult", "ag
            "final_assistant_text"]
 
 ENDINGS = ("answer", "length", "max_assistant_turns", "max_user_turns")
+ADMIT_POLL_S = 0.005  # with `admit`: how long a loop with nothing to step waits for a tool before asking again
 
 
 @dataclass
@@ -174,12 +175,15 @@ class AgentLoop:
         tools_kwargs: Sequence[Mapping[str, Any]] | None = None,
         agree: Callable[[list], list] | None = None,
         all_done: Callable[[bool], bool] | None = None,
+        admit: Callable[[list[Episode]], list | None] | None = None,
     ) -> list[Episode]:
         """Episodes for `prompts` (one each, in order); a turn ends at any of `eos_token_ids`.
 
         `agree` makes ranks that drive one engine together (tensor parallelism) see the same tool
         results at the same step: it takes this rank's arrivals and returns the leader's (only the
         leader runs tools). `all_done` (waves on several ranks) tells whether every rank has finished.
+        `admit` (continuous admission, `hflow.workers.rollout.router`) is asked between engine steps for
+        more episodes, (prompt ids, tools kwargs) each, appended to the list; None when no more will come.
         """
         kwargs = tools_kwargs if tools_kwargs is not None else [{}] * len(prompts)
         episodes = [Episode(prompt_ids=list(p), tools_kwargs=dict(k or {})) for p, k in zip(prompts, kwargs)]
@@ -193,7 +197,9 @@ class AgentLoop:
             while True:
                 if not engine.streams and pending:  # a wave starts when every tool result is back
                     concurrent.futures.wait(pending)
-                arrivals = self._collect(pending, block=not engine.busy() and not ready and bool(pending))
+                idle = not engine.busy() and not ready and bool(pending)
+                # admitting: wait for a tool at most a moment, new episodes may be waiting to start
+                arrivals = self._collect(pending, block=idle, timeout=ADMIT_POLL_S if admit is not None else None)
                 if agree is not None:
                     arrivals = agree(arrivals)
                 for key, outcomes in arrivals:
@@ -202,11 +208,18 @@ class AgentLoop:
                         ready.append(key)
                     else:
                         episodes[key].finished_s = time.perf_counter() - started
+                if admit is not None:
+                    new = admit(episodes)
+                    if new is None:
+                        admit = None
+                    for ids, kwargs in new or []:
+                        ready.append(len(episodes))
+                        episodes.append(Episode(prompt_ids=list(ids), tools_kwargs=dict(kwargs or {})))
                 for key in ready:
                     episode = episodes[key]
                     engine.add_turn(key, episode.ids, self.response_length - len(episode.response_ids))
                 ready = []
-                finished = self._all_finished(episodes) and not waiting
+                finished = self._all_finished(episodes) and not waiting and admit is None
                 if all_done is not None:
                     finished = all_done(finished)
                 if finished:
@@ -230,10 +243,10 @@ class AgentLoop:
     def _all_finished(episodes: list[Episode]) -> bool:
         return all(e.done for e in episodes)
 
-    def _collect(self, pending: dict, block: bool) -> list[tuple[int, list]]:
-        """Tool results that are back, as (episode index, outcomes); waits for one when `block`."""
+    def _collect(self, pending: dict, block: bool, timeout: float | None = None) -> list[tuple[int, list]]:
+        """Tool results that are back, as (episode index, outcomes); waits for one (at most `timeout`) when `block`."""
         if block:
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         arrivals = []
         for future in [f for f in pending if f.done()]:
             arrivals.append((pending.pop(future), future.result()))
