@@ -1113,8 +1113,40 @@ def write_longtail_report(report: dict, out: Path, md: Path) -> None:
         test_freq=spec["test_freq"], **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
         tail=longtail_tail_table(results), table=longtail_tables(results), curves=longtail_curves(results),
         model=longtail_model_text(report["model"]))
+    if spec.get("engines", 1) > 1:
+        text += "\n" + engines_table(results, spec["engines"], spec["warmup"])
     print(text)
     replace_section(md, text)
+
+
+def engines_table(results: dict, engines: int, warmup: int) -> str:
+    """Static against continuous admission with several engines: s/step, the run's wall, and each engine's idle
+    share (`perf/rollout_idle_share/engine<i>`: seconds with no request running over the window since the last
+    batch), medians over the measured steps and the mean over the whole run."""
+    head = ("| config | s/step (median) | wall s (steps + validation) | idle share, mean over engines: median "
+            "step / whole run | " + " | ".join(f"engine {i} idle share (run)" for i in range(engines)) + " |")
+    lines = [f"### {engines} rollout engines: idle share and step time", "",
+             "The engines' idle share is, per engine, the seconds it ran no request (between batches, waiting on "
+             "a tool, or for the batch's last episode) over the seconds since its previous batch; 'whole run' "
+             "sums both over every training step.", "", head, "|" + "---|" * (4 + engines)]
+    for name, pair in results.items():
+        for entry in pair["runs"]:
+            if "summary" not in entry:
+                continue
+            steps = training_steps(entry["records"])
+            measured = measured_steps(entry["records"], warmup)
+            shares = sorted(float(r.get("perf/rollout_idle_share", math.nan)) for r in measured)
+            per_engine = []
+            for i in range(engines):
+                idle = sum(float(r.get(f"perf/rollout_idle_s/engine{i}", 0.0)) for r in steps)
+                window = sum(float(r.get(f"perf/rollout_idle_s/engine{i}", 0.0))
+                             / max(float(r.get(f"perf/rollout_idle_share/engine{i}", 0.0)), 1e-9)
+                             for r in steps if r.get(f"perf/rollout_idle_share/engine{i}"))
+                per_engine.append(idle / window if window else math.nan)
+            lines.append(f"| {name} | {entry['summary']['step']['median']:.2f} | {entry['summary']['train_wall_s']:.0f} | "
+                         f"{shares[len(shares) // 2] if shares else math.nan:.2f} / "
+                         f"{statistics.mean(per_engine):.2f} | " + " | ".join(f"{v:.2f}" for v in per_engine) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def replace_section(md: Path, text: str) -> None:
@@ -1170,8 +1202,13 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
                 log(f"  done in {entry['process_wall_s']:.0f}s: {median:.2f} s/step")
     report["benchmark_wall_s"] = time.perf_counter() - started
     report["load_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    write_longtail_report(report, args.out, args.out.parent / "placement.md")
+    write_longtail_report(report, args.out, longtail_md(args))
     return report
+
+
+def longtail_md(args: argparse.Namespace) -> Path:
+    """placement.md's long-tail section for one engine; a file of its own beside the JSON for several."""
+    return args.out.parent / "placement.md" if args.engines == 1 else args.out.with_suffix(".md")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1196,10 +1233,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.longtail:
         if args.out == RESULTS / "placement":
-            args.out = RESULTS / "placement_longtail"
+            args.out = RESULTS / ("placement_longtail" if args.engines == 1 else f"placement_longtail_engines{args.engines}")
         if args.rerender:
             report = json.loads(args.rerender.read_text())
-            write_longtail_report(report, args.out, args.out.parent / "placement.md")
+            write_longtail_report(report, args.out, longtail_md(args))
             return report
         if args.repeats < 1:
             parser.error("--repeats must be >= 1")
