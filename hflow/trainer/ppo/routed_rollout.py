@@ -25,7 +25,7 @@ from hflow.workers.rollout.router import RowRouter
 from hflow.workers.rollout_worker import RolloutWorker
 from hflow.agent.loop import agent_metrics
 
-__all__ = ["RoutedCall", "RoutedGeneration"]
+__all__ = ["RoutedCall", "RoutedGeneration", "assemble_routed"]
 
 CONTROL_KEYS = ("min_weights_version", "updates_in_flight")  # the static path's; the router has its own
 
@@ -98,32 +98,35 @@ class RoutedCall:
             self.owner.check()
             self.call.result()
         collected = ray.get(router.collect.remote(self.batch))
-        self._output = self._assemble(collected)
+        self.engine_of = collected["engine_of"]  # which engine ran each sample (every turn of it)
+        self._output = assemble_routed(self.prompts, self.meta, self.n, collected, self.owner.config)
         return self._output
 
-    def _assemble(self, collected: dict) -> DataProto:
-        config = self.owner.config
-        prompts = DataProto(batch=self.prompts.batch, non_tensor_batch=dict(self.prompts.non_tensor_batch),
-                            meta_info={**collected["resolved"], **self.meta})
-        results, width = collected["results"], int(config.response_length)
-        pad = prompts.meta_info["pad_token_id"]
-        log_probs = bool(config.calculate_log_probs)
-        metrics: dict[str, list[float]] = {}
-        if config.multi_turn.enable:
-            output = assemble_episodes(prompts, results, self.n, pad, log_probs, width)
-            metrics.update({k: [v] for k, v in agent_metrics(results, collected["wall_s"]).items()})
-        else:
-            responses = pad_2d_list_to_length([r["tokens"] for r in results], pad, max_length=width)
-            output = assemble_rollout_output(prompts, responses, self.n,
-                                             pad_log_probs([r["log_probs"] for r in results], width) if log_probs else None)
-            if results and results[0]["versions"] is not None:
-                output.batch["rollout_versions"] = pad_2d_list_to_length([r["versions"] for r in results], -1,
-                                                                         max_length=width)
-        self.engine_of = collected["engine_of"]  # which engine ran each sample (every turn of it)
-        metrics["timing_s/generate_worker"] = [collected["wall_s"]]
-        for engine, (idle, rows) in enumerate(zip(collected["idle_s"], collected["rows_per_engine"])):
-            for key, value in engine_idle_metrics(engine, idle, collected["window_s"]).items():
-                metrics.setdefault(key, []).append(value)
-            metrics[f"rollout/rows/engine{engine}"] = [float(rows)]
-        output.meta_info["metrics"] = metrics
-        return output
+
+def assemble_routed(gen_batch: DataProto, meta: dict, n: int, collected: dict, config) -> DataProto:
+    """The rollout output of a routed batch (`RowRouter.collect`'s), in its rows' order, with the metrics of
+    the static path and each engine's idle seconds and share (`config`: the rollout section)."""
+    prompts = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
+                        meta_info={**collected["resolved"], **meta})
+    results, width = collected["results"], int(config.response_length)
+    pad = prompts.meta_info["pad_token_id"]
+    log_probs = bool(config.calculate_log_probs)
+    metrics: dict[str, list[float]] = {}
+    if config.multi_turn.enable:
+        output = assemble_episodes(prompts, results, n, pad, log_probs, width)
+        metrics.update({k: [v] for k, v in agent_metrics(results, collected["wall_s"]).items()})
+    else:
+        responses = pad_2d_list_to_length([r["tokens"] for r in results], pad, max_length=width)
+        output = assemble_rollout_output(prompts, responses, n,
+                                         pad_log_probs([r["log_probs"] for r in results], width) if log_probs else None)
+        if results and results[0]["versions"] is not None:
+            output.batch["rollout_versions"] = pad_2d_list_to_length([r["versions"] for r in results], -1,
+                                                                     max_length=width)
+    metrics["timing_s/generate_worker"] = [collected["wall_s"]]
+    for engine, (idle, rows) in enumerate(zip(collected["idle_s"], collected["rows_per_engine"])):
+        for key, value in engine_idle_metrics(engine, idle, collected["window_s"]).items():
+            metrics.setdefault(key, []).append(value)
+        metrics[f"rollout/rows/engine{engine}"] = [float(rows)]
+    output.meta_info["metrics"] = metrics
+    return output
+
