@@ -35,17 +35,17 @@ def test_rows_come_back_complete_and_in_order_from_two_engines():
 
 def test_an_engine_slowed_by_its_tail_takes_fewer_rows_and_both_stay_busy():
     """Engine 0 holds a long episode that never finishes during the batch; engine 1 finishes each of its
-    rows at once. With a fixed shard each would get 16 rows; routed by load, engine 1 takes the rest of
-    engine 0's share as engine 0's load stays up, and both engines hold rows until the batch's end."""
+    rows at once. With a fixed shard, or first come first served (engine 0 asks first), each would get 16
+    rows; routed by load, engine 1 takes part of engine 0's share as engine 0's load stays up, and both
+    engines hold rows until the batch's end."""
     router = RowRouter(engines=2)
     router.submit(0, rows(32), {}, min_version=0)
     slow = router.exchange(0, [], running=0, room=1, version=0)  # engine 0 takes one row, its tail
     assert len(slow) == 1
     held, busy_rounds = router.exchange(1, [], running=0, room=8, version=0), 0
     while router.batches[0].next_row < 32:
+        slow += router.exchange(0, [], running=1, room=8, version=0)  # engine 0 asks first, its tail still runs
         held = drain(router, 1, held)
-        more = router.exchange(0, [], running=1, room=8, version=0)  # engine 0 still runs its tail
-        slow += more
         busy_rounds += bool(held) and bool(slow)
     per_engine = [0, 0]
     for row, engine in router.batches[0].engine_of.items():
@@ -88,6 +88,7 @@ def test_idle_seconds_count_only_time_with_nothing_running():
     assert collected["idle_s"][1] >= 0.2 - 1e-3  # engine 1 ran nothing the whole time
     assert collected["idle_s"][0] < 0.1  # engine 0 ran its requests
     assert collected["window_s"] >= collected["idle_s"][1]
+    assert collected["wall_s"] >= collected["idle_in_batch_s"][1] >= 0.2 - 1e-3  # the colocated measure
 
 
 def test_request_seeds_differ_by_row_turn_and_batch():

@@ -99,13 +99,16 @@ class RoutedCall:
             self.call.result()
         collected = ray.get(router.collect.remote(self.batch))
         self.engine_of = collected["engine_of"]  # which engine ran each sample (every turn of it)
-        self._output = assemble_routed(self.prompts, self.meta, self.n, collected, self.owner.config)
+        self._output = assemble_routed(self.prompts, self.meta, self.n, collected, self.owner.config,
+                                       colocated=self.owner.colocated)
         return self._output
 
 
-def assemble_routed(gen_batch: DataProto, meta: dict, n: int, collected: dict, config) -> DataProto:
+def assemble_routed(gen_batch: DataProto, meta: dict, n: int, collected: dict, config,
+                    colocated: bool = False) -> DataProto:
     """The rollout output of a routed batch (`RowRouter.collect`'s), in its rows' order, with the metrics of
-    the static path and each engine's idle seconds and share (`config`: the rollout section)."""
+    the static path and each engine's idle seconds and share (`config`: the rollout section): since the
+    previous batch on an engine of its own, within the batch for a colocated one (the devices train between)."""
     prompts = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
                         meta_info={**collected["resolved"], **meta})
     results, width = collected["results"], int(config.response_length)
@@ -123,8 +126,10 @@ def assemble_routed(gen_batch: DataProto, meta: dict, n: int, collected: dict, c
             output.batch["rollout_versions"] = pad_2d_list_to_length([r["versions"] for r in results], -1,
                                                                      max_length=width)
     metrics["timing_s/generate_worker"] = [collected["wall_s"]]
-    for engine, (idle, rows) in enumerate(zip(collected["idle_s"], collected["rows_per_engine"])):
-        for key, value in engine_idle_metrics(engine, idle, collected["window_s"]).items():
+    idle_s, window = ((collected["idle_in_batch_s"], collected["wall_s"]) if colocated
+                      else (collected["idle_s"], collected["window_s"]))
+    for engine, (idle, rows) in enumerate(zip(idle_s, collected["rows_per_engine"])):
+        for key, value in engine_idle_metrics(engine, idle, window).items():
             metrics.setdefault(key, []).append(value)
         metrics[f"rollout/rows/engine{engine}"] = [float(rows)]
     output.meta_info["metrics"] = metrics

@@ -38,6 +38,8 @@ class _Batch:
     submitted_s: float = 0.0
     completed_s: float | None = None
     engine_of: dict = field(default_factory=dict)  # row -> engine, for the tests and the metrics
+    idle_at_submit: list = field(default_factory=list)  # each engine's idle_s when the batch came, and when it ended
+    idle_at_completion: list = field(default_factory=list)
 
 
 class RowRouter:
@@ -56,7 +58,9 @@ class RowRouter:
     # ---- the driver's side --------------------------------------------------------------------------
 
     def submit(self, batch: int, rows: list[dict], meta: dict, min_version: int) -> None:
-        self.batches[batch] = _Batch(list(rows), dict(meta), int(min_version), submitted_s=time.perf_counter())
+        self._account_all()
+        self.batches[batch] = _Batch(list(rows), dict(meta), int(min_version), submitted_s=time.perf_counter(),
+                                     idle_at_submit=list(self.idle_s))
 
     def complete(self, batch: int) -> bool:
         return self.batches[batch].completed_s is not None
@@ -77,7 +81,9 @@ class RowRouter:
         for engine in entry.engine_of.values():
             rows_per_engine[engine] += 1
         return {"results": [entry.results[i] for i in range(len(entry.rows))], "resolved": entry.resolved,
-                "wall_s": entry.completed_s - entry.submitted_s, "idle_s": idle, "window_s": window, "rows_per_engine": rows_per_engine,
+                "wall_s": entry.completed_s - entry.submitted_s, "idle_s": idle, "window_s": window,
+                # within the batch's own lifetime (colocated engines exist for one batch at a time)
+                "idle_in_batch_s": [b - a for a, b in zip(entry.idle_at_submit, entry.idle_at_completion)], "rows_per_engine": rows_per_engine,
                 "engine_of": [entry.engine_of[i] for i in range(len(entry.rows))]}
 
     # ---- the engines' side --------------------------------------------------------------------------
@@ -99,6 +105,8 @@ class RowRouter:
             self.load[engine] -= 1
             if len(entry.results) == len(entry.rows):
                 entry.completed_s = time.perf_counter()
+                self._account_all()
+                entry.idle_at_completion = list(self.idle_s)
         open_rows = [(b, e) for b, e in sorted(self.batches.items())
                      if e.next_row < len(e.rows) and (any_version or e.min_version <= version)
                      and (only_batch is None or b == only_batch)]
