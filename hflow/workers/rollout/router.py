@@ -83,7 +83,8 @@ class RowRouter:
         return {"results": [entry.results[i] for i in range(len(entry.rows))], "resolved": entry.resolved,
                 "wall_s": entry.completed_s - entry.submitted_s, "idle_s": idle, "window_s": window,
                 # within the batch's own lifetime (colocated engines exist for one batch at a time)
-                "idle_in_batch_s": [b - a for a, b in zip(entry.idle_at_submit, entry.idle_at_completion)], "rows_per_engine": rows_per_engine,
+                "idle_in_batch_s": [min(b - a, entry.completed_s - entry.submitted_s)
+                                    for a, b in zip(entry.idle_at_submit, entry.idle_at_completion)], "rows_per_engine": rows_per_engine,
                 "engine_of": [entry.engine_of[i] for i in range(len(entry.rows))]}
 
     # ---- the engines' side --------------------------------------------------------------------------
