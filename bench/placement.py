@@ -1169,7 +1169,7 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
     spec = {**LONGTAIL, "engines": args.engines, "steps": args.steps or LONGTAIL["steps"],
             "test_freq": args.test_freq or LONGTAIL["test_freq"],
             "warmup": LONGTAIL["warmup"] if args.warmup is None else args.warmup}
-    for key in ("slow_p", "slow_min_s"):
+    for key in ("slow_p", "slow_min_s", "slow_cap_s"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     order = schedule(["longtail"], configs, args.repeats)
@@ -1177,7 +1177,8 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
               "command": " ".join(["python bench/placement.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
               "options": {"repeats": args.repeats, "configs": configs, "steps": spec["steps"],
                           "test_freq": spec["test_freq"], "warmup": spec["warmup"], "smoke": args.smoke,
-                          "slow_p": spec["slow_p"], "slow_min_s": spec["slow_min_s"]},
+                          "slow_p": spec["slow_p"], "slow_min_s": spec["slow_min_s"], "slow_cap_s": spec["slow_cap_s"],
+                          "engines": spec["engines"]},
               "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
               "order": [list(o) for o in order], "settings": spec, "results": {c: {"runs": []} for c in configs}}
     started = time.perf_counter()
@@ -1225,6 +1226,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the long-tailed workload and its configurations instead (see the docstring)")
     parser.add_argument("--configs", help=f"--longtail: comma-separated, of {list(LONGTAIL_CONFIGS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="--longtail: label the report a smoke run")
+    parser.add_argument("--slow-cap-s", type=float,
+                        help=f"--longtail: a slow call's longest sleep, s (default {LONGTAIL['slow_cap_s']})")
     parser.add_argument("--engines", type=int, default=1,
                         help="--longtail: rollout engines (devices of the rollout pool; one more trains)")
     parser.add_argument("--slow-p", type=float, help=f"--longtail: share of slow tool calls (default {LONGTAIL['slow_p']})")
