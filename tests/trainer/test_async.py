@@ -100,7 +100,7 @@ def test_continuous_admission_over_two_engines_learns_within_the_bound(ray_sessi
     step's samples come from both engines, and the run learns, which it could not if a sample came back in
     another row than its prompt's (its reward would be another problem's)."""
     two_engines = [o for o in ASYNC[:-1] if not o.startswith("trainer.rollout_n_gpus")]
-    records = run_builtin(tmp_path, *two_engines, "trainer.total_training_steps=6", "trainer.async_steps=2",
+    records = run_builtin(tmp_path, *two_engines, "trainer.total_training_steps=4", "trainer.async_steps=2",
                           "trainer.n_gpus_per_node=3", "trainer.rollout_n_gpus=2", "ray_init.num_cpus=3",
                           "actor_rollout_ref.rollout.admission=continuous")
     assert_learned(validation_curve(records))
