@@ -108,6 +108,8 @@ def test_continuous_admission_over_two_engines_learns_within_the_bound(ray_sessi
     assert max(r["training/staleness/max"] for r in steps) == 2
     rows = [(r["rollout/rows/engine0"], r["rollout/rows/engine1"]) for r in steps]
     assert all(a + b == rows[0][0] + rows[0][1] for a, b in rows), rows
-    assert sum(min(a, b) > 0 for a, b in rows) >= len(rows) // 2, rows  # the load is shared (timing decides each step)
+    # the load is shared: each engine ran at least a quarter of the run's samples (an engine that is between two
+    # calls when a batch comes takes none of it, so a single step may go to one engine)
+    assert min(sum(a for a, _ in rows), sum(b for _, b in rows)) >= 0.25 * sum(a + b for a, b in rows), rows
     for r in steps:
         assert 0.0 <= r["perf/rollout_idle_share/engine0"] <= 1.0 and 0.0 <= r["perf/rollout_idle_share/engine1"] <= 1.0
