@@ -1040,8 +1040,8 @@ tool config (`multi_turn.tool_config_path`, a `function: slow_calculator.py:calc
 run's folder): the built-in calculator, except that a call sleeps, with probability {slow_p}, for {slow_min_s} s x
 Pareto(alpha={slow_alpha}) (capped at {slow_cap_s} s; seeded per process). The tail is **tool latency**, a slow
 external call, not response length: the policy's own responses are 4 tokens without a call and ~28 with one,
-under 8x, and the share that calls the tool grows as the model learns. Every configuration: split, 1 rollout device (a
-standalone vLLM engine) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
+under 8x, and the share that calls the tool grows as the model learns. Every configuration: split, {engines} rollout device(s)
+(a standalone vLLM engine each) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
 sampler log-probs; k >= 2 needs it, so all use it), old log-probs recomputed, one optimizer step per step,
 validation (greedy, with the slow tool) before training and every {test_freq} steps. Configurations run
 interleaved, each a fresh trainer process.
@@ -1110,7 +1110,8 @@ def write_longtail_report(report: dict, out: Path, md: Path) -> None:
         options=json.dumps(report["options"]),
         settings=(f"{spec['steps']} steps, first {spec['warmup']} warm-up; measured steps leave out the warm-up, the "
                   "last step and each step right after a validation"),
-        test_freq=spec["test_freq"], **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
+        test_freq=spec["test_freq"], engines=spec.get("engines", 1),
+        **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
         tail=longtail_tail_table(results), table=longtail_tables(results), curves=longtail_curves(results),
         model=longtail_model_text(report["model"]))
     if spec.get("engines", 1) > 1:
