@@ -64,6 +64,7 @@ from hflow.workers.config import (
 )
 from hflow.workers.critic.config import check_critic, check_critic_batches
 from hflow.workers.rollout.config import (
+    check_admission,
     check_rollout_name,
     check_sampling,
     check_tensor_parallel,
@@ -110,6 +111,7 @@ def preflight_check(config: DictConfig) -> None:
     run(check_actor_ranges, actor)
     run(check_kl_in_reward, algo)
     run(check_rollout_name, rollout.name)
+    run(check_admission, rollout)
     run(check_old_log_probs, algo)
     run(check_reuse_is_on_policy, config)
     with errors.catch():
