@@ -635,3 +635,42 @@ def test_routed_rows_come_back_in_order_and_each_row_samples_the_same_on_any_eng
     assert torch.equal(output.batch["prompts"][::n], prompts.batch["input_ids"])  # prompt-major, in order
     metrics = output.meta_info["metrics"]
     assert metrics["rollout/rows/engine0"] == [7.0] and metrics["rollout/rows/engine1"] == [5.0]
+
+
+def test_routed_later_batch_waits_for_its_weights_loaded_once_nothing_runs(rollout, hf_model, tiny_tokenizer):
+    """One serve call runs two batches; the second asks for policy 1, whose update arrives (staged, no partial
+    rollouts) while the first batch runs. The engine loads it once nothing runs on it, between two steps,
+    and only then takes the second batch: the first batch is all version 0, the second all version 1, each
+    with its model's log-probs."""
+    import copy
+
+    from hflow.trainer.ppo.routed_rollout import assemble_routed
+    from hflow.workers.rollout.base import prompt_token_ids
+    from hflow.workers.rollout.router import RouterClient, RowRouter
+
+    new_model = copy.deepcopy(hf_model)
+    perturb_(new_model, torch.Generator().manual_seed(7), scale=0.05)
+    push(rollout, hf_model)
+    prompts, n = make_prompts(tiny_tokenizer, QUESTIONS), 2
+    samples = [{"ids": ids, "tools_kwargs": {}} for ids in prompt_token_ids(prompts) for _ in range(n)]
+    router = RowRouter(engines=1)
+    router.submit(0, samples, {}, min_version=0)
+    router.submit(1, samples, {}, min_version=1)
+    updates = UpdateAfterSteps(rollout, new_model, after=3, partial=False)
+    loaded_while_busy = []
+
+    def between_steps(busy: bool) -> None:
+        if updates.staged and not busy:
+            push(rollout, new_model)
+            updates.staged, updates._version = False, 1
+            loaded_while_busy.append(busy)
+
+    stop = {"eos_token_id": prompts.meta_info["eos_token_id"], "pad_token_id": prompts.meta_info["pad_token_id"]}
+    rollout.serve(RouterClient(router), 0, stop, weight_updates=updates, between_steps=between_steps)
+    assert loaded_while_busy == [False]
+    for batch, version in ((0, 0), (1, 1)):
+        output = assemble_routed(prompts, {}, n, router.collect(batch), rollout.config)
+        mask = output.batch["rollout_versions"] >= 0
+        assert set(output.batch["rollout_versions"][mask].tolist()) == {version}, batch
+        old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
+        assert (old, new) == ((int(mask.sum()), 0) if version == 0 else (0, int(mask.sum())))
