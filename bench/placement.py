@@ -747,6 +747,14 @@ LONGTAIL_CONFIGS = {
     **{f"async{k}+partial": [f"trainer.async_steps={k}", "actor_rollout_ref.rollout.partial_rollout=true"]
        for k in (1, 2, 4)},
 }
+# The same with continuous admission (`rollout.admission=continuous`: samples routed to the least-loaded
+# engine, the next batch admitted while a tail runs); the configurations above are static admission's.
+LONGTAIL_CONFIGS.update({f"{name}+continuous": [*overrides, "actor_rollout_ref.rollout.admission=continuous"]
+                         for name, overrides in list(LONGTAIL_CONFIGS.items())})
+for _overrides in LONGTAIL_CONFIGS.values():
+    if "actor_rollout_ref.rollout.admission=continuous" not in _overrides:
+        _overrides.append("actor_rollout_ref.rollout.admission=static")
+LONGTAIL_DEFAULT_CONFIGS = ("sync", "async1", "async2", "async4", "async1+partial", "async2+partial", "async4+partial")
 LONGTAIL_MARKERS = ("<!-- longtail:start -->", "<!-- longtail:end -->")
 
 SLOW_TOOL = '''"""The built-in calculator, late for some calls (bench/placement.py --longtail wrote this file)."""
@@ -780,7 +788,7 @@ def write_slow_tools(folder: Path, spec: dict) -> Path:
     return path
 
 
-def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tools: Path) -> list[str]:
+def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tools: Path, engines: int = 1) -> list[str]:
     return [
         "actor_rollout_ref.rollout.multi_turn.enable=true",  # no model or data: the built-in agentic task
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
@@ -788,8 +796,8 @@ def longtail_overrides(config: str, steps: int, test_freq: int, work: Path, tool
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.reuse_update_log_probs=false", "algorithm.use_rollout_log_probs=false",
         f"data.seed={SEED}", f"trainer.seed={SEED}", f"actor_rollout_ref.rollout.seed={SEED}",
-        "trainer.placement=split", f"trainer.n_gpus_per_node={DEVICES}", "trainer.rollout_n_gpus=1",
-        "trainer.nnodes=1", "trainer.cpus_per_worker=1", f"ray_init.num_cpus={DEVICES}",
+        "trainer.placement=split", f"trainer.n_gpus_per_node={1 + engines}", f"trainer.rollout_n_gpus={engines}",
+        "trainer.nnodes=1", "trainer.cpus_per_worker=1", f"ray_init.num_cpus={1 + engines}",
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
         "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.resume_mode=disable",
         "trainer.logger=[jsonl]", f"trainer.log_dir={work / 'logs'}", f"trainer.default_local_dir={work / 'ckpt'}",
@@ -1032,8 +1040,8 @@ tool config (`multi_turn.tool_config_path`, a `function: slow_calculator.py:calc
 run's folder): the built-in calculator, except that a call sleeps, with probability {slow_p}, for {slow_min_s} s x
 Pareto(alpha={slow_alpha}) (capped at {slow_cap_s} s; seeded per process). The tail is **tool latency**, a slow
 external call, not response length: the policy's own responses are 4 tokens without a call and ~28 with one,
-under 8x, and the share that calls the tool grows as the model learns. Every configuration: split, 1 rollout device (a
-standalone vLLM engine) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
+under 8x, and the share that calls the tool grows as the model learns. Every configuration: split, {engines} rollout device(s)
+(a standalone vLLM engine each) + 1 training device (actor + reference), decoupled PPO (`algorithm.rollout_is=token`,
 sampler log-probs; k >= 2 needs it, so all use it), old log-probs recomputed, one optimizer step per step,
 validation (greedy, with the slow tool) before training and every {test_freq} steps. Configurations run
 interleaved, each a fresh trainer process.
@@ -1102,11 +1110,44 @@ def write_longtail_report(report: dict, out: Path, md: Path) -> None:
         options=json.dumps(report["options"]),
         settings=(f"{spec['steps']} steps, first {spec['warmup']} warm-up; measured steps leave out the warm-up, the "
                   "last step and each step right after a validation"),
-        test_freq=spec["test_freq"], **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
+        test_freq=spec["test_freq"], engines=spec.get("engines", 1),
+        **{k: spec[k] for k in ("slow_p", "slow_min_s", "slow_alpha", "slow_cap_s")},
         tail=longtail_tail_table(results), table=longtail_tables(results), curves=longtail_curves(results),
         model=longtail_model_text(report["model"]))
+    if spec.get("engines", 1) > 1:
+        text += "\n" + engines_table(results, spec["engines"], spec["warmup"])
     print(text)
     replace_section(md, text)
+
+
+def engines_table(results: dict, engines: int, warmup: int) -> str:
+    """Static against continuous admission with several engines: s/step, the run's wall, and each engine's idle
+    share (`perf/rollout_idle_share/engine<i>`: seconds with no request running over the window since the last
+    batch), medians over the measured steps and the mean over the whole run."""
+    head = ("| config | s/step (median) | wall s (steps + validation) | idle share, mean over engines: median "
+            "step / whole run | " + " | ".join(f"engine {i} idle share (run)" for i in range(engines)) + " |")
+    lines = [f"### {engines} rollout engines: idle share and step time", "",
+             "The engines' idle share is, per engine, the seconds it ran no request (between batches, waiting on "
+             "a tool, or for the batch's last episode) over the seconds since its previous batch; 'whole run' "
+             "sums both over every training step.", "", head, "|" + "---|" * (4 + engines)]
+    for name, pair in results.items():
+        for entry in pair["runs"]:
+            if "summary" not in entry:
+                continue
+            steps = training_steps(entry["records"])
+            measured = measured_steps(entry["records"], warmup)
+            shares = sorted(float(r.get("perf/rollout_idle_share", math.nan)) for r in measured)
+            per_engine = []
+            for i in range(engines):
+                idle = sum(float(r.get(f"perf/rollout_idle_s/engine{i}", 0.0)) for r in steps)
+                window = sum(float(r.get(f"perf/rollout_idle_s/engine{i}", 0.0))
+                             / max(float(r.get(f"perf/rollout_idle_share/engine{i}", 0.0)), 1e-9)
+                             for r in steps if r.get(f"perf/rollout_idle_share/engine{i}"))
+                per_engine.append(idle / window if window else math.nan)
+            lines.append(f"| {name} | {entry['summary']['step']['median']:.2f} | {entry['summary']['train_wall_s']:.0f} | "
+                         f"{shares[len(shares) // 2] if shares else math.nan:.2f} / "
+                         f"{statistics.mean(per_engine):.2f} | " + " | ".join(f"{v:.2f}" for v in per_engine) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def replace_section(md: Path, text: str) -> None:
@@ -1122,13 +1163,14 @@ def replace_section(md: Path, text: str) -> None:
 
 
 def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    configs = [c for c in (args.configs or ",".join(LONGTAIL_CONFIGS)).split(",") if c]
+    configs = [c for c in (args.configs or ",".join(LONGTAIL_DEFAULT_CONFIGS)).split(",") if c]
     unknown = set(configs) - set(LONGTAIL_CONFIGS)
     if unknown:
         raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {list(LONGTAIL_CONFIGS)}")
-    spec = {**LONGTAIL, "steps": args.steps or LONGTAIL["steps"], "test_freq": args.test_freq or LONGTAIL["test_freq"],
+    spec = {**LONGTAIL, "engines": args.engines, "steps": args.steps or LONGTAIL["steps"],
+            "test_freq": args.test_freq or LONGTAIL["test_freq"],
             "warmup": LONGTAIL["warmup"] if args.warmup is None else args.warmup}
-    for key in ("slow_p", "slow_min_s"):
+    for key in ("slow_p", "slow_min_s", "slow_cap_s"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     order = schedule(["longtail"], configs, args.repeats)
@@ -1136,7 +1178,8 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
               "command": " ".join(["python bench/placement.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
               "options": {"repeats": args.repeats, "configs": configs, "steps": spec["steps"],
                           "test_freq": spec["test_freq"], "warmup": spec["warmup"], "smoke": args.smoke,
-                          "slow_p": spec["slow_p"], "slow_min_s": spec["slow_min_s"]},
+                          "slow_p": spec["slow_p"], "slow_min_s": spec["slow_min_s"], "slow_cap_s": spec["slow_cap_s"],
+                          "engines": spec["engines"]},
               "load_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
               "order": [list(o) for o in order], "settings": spec, "results": {c: {"runs": []} for c in configs}}
     started = time.perf_counter()
@@ -1147,7 +1190,8 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
             log(f"run {index + 1}/{len(order)}: longtail {config} repetition {rep + 1} ({spec['steps']} steps, "
                 f"load {load_1min():.1f}) ...")
             try:
-                entry = run_trainer(longtail_overrides(config, spec["steps"], spec["test_freq"], work, tools), work)
+                entry = run_trainer(longtail_overrides(config, spec["steps"], spec["test_freq"], work, tools,
+                                                       spec["engines"]), work)
                 entry["tail"] = episode_tail(work / "rollouts")
             except subprocess.CalledProcessError as error:
                 tail = (work / "hflow.log").read_text()[-3000:] if (work / "hflow.log").exists() else ""
@@ -1160,8 +1204,13 @@ def main_longtail(args: argparse.Namespace, argv: list[str] | None) -> dict:
                 log(f"  done in {entry['process_wall_s']:.0f}s: {median:.2f} s/step")
     report["benchmark_wall_s"] = time.perf_counter() - started
     report["load_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    write_longtail_report(report, args.out, args.out.parent / "placement.md")
+    write_longtail_report(report, args.out, longtail_md(args))
     return report
+
+
+def longtail_md(args: argparse.Namespace) -> Path:
+    """placement.md's long-tail section for one engine; a file of its own beside the JSON for several."""
+    return args.out.parent / "placement.md" if args.engines == 1 else args.out.with_suffix(".md")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1178,16 +1227,20 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the long-tailed workload and its configurations instead (see the docstring)")
     parser.add_argument("--configs", help=f"--longtail: comma-separated, of {list(LONGTAIL_CONFIGS)} (default: all)")
     parser.add_argument("--smoke", action="store_true", help="--longtail: label the report a smoke run")
+    parser.add_argument("--slow-cap-s", type=float,
+                        help=f"--longtail: a slow call's longest sleep, s (default {LONGTAIL['slow_cap_s']})")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="--longtail: rollout engines (devices of the rollout pool; one more trains)")
     parser.add_argument("--slow-p", type=float, help=f"--longtail: share of slow tool calls (default {LONGTAIL['slow_p']})")
     parser.add_argument("--slow-min-s", type=float,
                         help=f"--longtail: a slow call's shortest sleep, s (default {LONGTAIL['slow_min_s']})")
     args = parser.parse_args(argv)
     if args.longtail:
         if args.out == RESULTS / "placement":
-            args.out = RESULTS / "placement_longtail"
+            args.out = RESULTS / ("placement_longtail" if args.engines == 1 else f"placement_longtail_engines{args.engines}")
         if args.rerender:
             report = json.loads(args.rerender.read_text())
-            write_longtail_report(report, args.out, args.out.parent / "placement.md")
+            write_longtail_report(report, args.out, longtail_md(args))
             return report
         if args.repeats < 1:
             parser.error("--repeats must be >= 1")

@@ -54,6 +54,7 @@ __all__ = ["AgentLoop", "Episode", "ToolRunner", "TurnEngine", "TurnResult", "ag
 ENDINGS = ("answer", "length", "max_assistant_turns", "max_user_turns", "env_done", "interaction_done",
            "env_error", "env_timeout", "env_malformed", "interaction_error", "interaction_timeout",
            "interaction_malformed")
+ADMIT_POLL_S = 0.005  # with `admit`: how long a loop with nothing to step waits for a reply before asking again
 
 
 @dataclass
@@ -228,6 +229,7 @@ class AgentLoop:
         agree: Callable[[list], list] | None = None,
         all_done: Callable[[bool], bool] | None = None,
         rows: Sequence[Mapping[str, Any]] | None = None,
+        admit: Callable[[list[Episode]], list | None] | None = None,
     ) -> list[Episode]:
         """Episodes for `prompts` (one each, in order); a turn ends at any of `eos_token_ids`.
 
@@ -235,7 +237,9 @@ class AgentLoop:
         they choose the environment and the simulated user. `agree` makes ranks that drive one engine
         together (tensor parallelism) see the same replies at the same step: it takes this rank's arrivals
         and returns the leader's (only the leader runs tools and environments). `all_done` (waves on
-        several ranks) tells whether every rank has finished.
+        several ranks) tells whether every rank has finished. `admit` (continuous admission,
+        `hflow.workers.rollout.router`) is asked between engine steps for more episodes, (prompt ids, tools
+        kwargs, row) each, appended to the list; it returns None when no more will come.
         """
         kwargs = tools_kwargs if tools_kwargs is not None else [{}] * len(prompts)
         rows = rows if rows is not None else [{}] * len(prompts)
@@ -260,7 +264,9 @@ class AgentLoop:
             while True:
                 if not engine.streams and pending:  # a wave starts when every reply is back
                     concurrent.futures.wait(pending)
-                arrivals = self._collect(pending, block=not engine.busy() and not ready and bool(pending))
+                idle = not engine.busy() and not ready and bool(pending)
+                # admitting: wait for a tool at most a moment, new episodes may be waiting to start
+                arrivals = self._collect(pending, block=idle, timeout=ADMIT_POLL_S if admit is not None else None)
                 if agree is not None:
                     arrivals = agree(arrivals)
                 for key, reply in arrivals:
@@ -273,11 +279,22 @@ class AgentLoop:
                         episode.finished_s = time.perf_counter() - started
                     else:
                         end(key)
+                if admit is not None:
+                    new = admit(episodes)
+                    if new is None:
+                        admit = None
+                    for ids, kwargs, row in new or []:  # started like the first ones: the session first
+                        key = len(episodes)
+                        episodes.append(self._episode(ids, kwargs, row, key))
+                        waiting.add(key)
+                        if runner is not None:
+                            sessions.append(self._session(episodes[key]))
+                            pending[runner.run_soon(sessions[key].start())] = key
                 for key in ready:
                     episode = episodes[key]
                     engine.add_turn(key, episode.ids, self.response_length - len(episode.response_ids))
                 ready = []
-                finished = all(e.closed for e in episodes) and not waiting
+                finished = all(e.closed for e in episodes) and not waiting and admit is None
                 if all_done is not None:
                     finished = all_done(finished)
                 if finished:
@@ -324,10 +341,11 @@ class AgentLoop:
         concurrent.futures.wait(futures, timeout=bound)
 
     @staticmethod
-    def _collect(pending: dict, block: bool) -> list[tuple[int, Reply]]:
-        """Session replies that are back, as (episode index, reply); waits for one when `block`."""
+    def _collect(pending: dict, block: bool, timeout: float | None = None) -> list[tuple[int, Reply]]:
+        """Session replies that are back, as (episode index, reply); waits for one (at most `timeout`)
+        when `block`."""
         if block:
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         arrivals = []
         for future in [f for f in pending if f.done()]:
             arrivals.append((pending.pop(future), future.result()))

@@ -38,6 +38,7 @@ from hflow.config_schema import (
 )
 from hflow.workers.rollout.config import (
     RolloutConfig,
+    check_admission,
     check_rollout_name,
     check_tensor_parallel,
     resolve_gpu_memory_utilization,
@@ -439,6 +440,7 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
         check_tensor_parallel(int(cfg.rollout.tensor_model_parallel_size), world_size)
         check_rollout_name(cfg.rollout.name)
+        check_admission(cfg.rollout)
         if not cfg.rollout.log_prob_use_dynamic_bsz:
             check_positive(cfg.rollout.log_prob_micro_batch_size_per_gpu,
                            f"{prefix}.rollout.log_prob_micro_batch_size_per_gpu")

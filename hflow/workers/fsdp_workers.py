@@ -55,6 +55,34 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
     return output.to("cpu")
 
 
+def engine_idle_metrics(engine: int, idle_s: float, window_s: float) -> dict[str, float]:
+    """An engine's idle seconds (no request running) in a window of `window_s`, and their share; per engine and
+    under the plain names, which the trainer averages over engines."""
+    share = idle_s / window_s if window_s > 0 else 0.0
+    return {"perf/rollout_idle_s": idle_s, "perf/rollout_idle_share": share,
+            f"perf/rollout_idle_s/engine{engine}": idle_s, f"perf/rollout_idle_share/engine{engine}": share}
+
+
+def stop_ids_of(generation_config, tokenizer) -> dict:
+    """The stop and pad ids a generation uses when its batch names none (as `generate_with` sets them)."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    return {"eos_token_id": eos if eos is not None else tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+
+
+def serve_with(rollout, context, router, generation_config, tokenizer, **serve_kwargs) -> dict:
+    """Continuous admission: this rank's engine serves the rows `router` hands it (`vLLMRollout.serve`),
+    inside the generation `context`, as engine `context.dp_rank`."""
+    from hflow.workers.rollout.router import RouterClient
+
+    if getattr(context, "tp_size", 1) != 1:
+        raise ValueError("rollout.admission=continuous needs rollout.tensor_model_parallel_size=1")
+    with context:
+        metrics = rollout.serve(RouterClient(router), context.dp_rank, stop_ids_of(generation_config, tokenizer),
+                                **serve_kwargs)
+    device.empty_cache()
+    return metrics
+
+
 def engine_info_of(rollout, context, hf_config) -> dict[str, int]:
     """What one rank's vLLM engine really runs: its TP size and rank (from the generation `context`),
     and how many rows of the input embedding it holds (the padded vocabulary / TP when sharded)."""
@@ -312,6 +340,14 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         """Sample responses with the actor's current weights (synced into the engine on entry)."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
         return generate_with(self.rollout, self.sharding_manager, prompts, self.generation_config, self.tokenizer)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def generate_routed(self, router, batch: int) -> dict:
+        """`rollout.admission=continuous`: sample the rows of `batch` that `router` hands this rank's engine,
+        with the actor's current weights (synced on entry, freed on exit, as for `generate_sequences`)."""
+        self._require(self._is_rollout, "generate_routed", "rollout")
+        return serve_with(self.rollout, self.sharding_manager, router, self.generation_config, self.tokenizer,
+                          only_batch=batch)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_info(self) -> dict[str, int]:

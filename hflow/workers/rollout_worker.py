@@ -25,7 +25,7 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.workers.config import normalize_actor_rollout_ref
 from hflow.workers.common import load_tokenizer
-from hflow.workers.fsdp_workers import engine_info_of, generate_with
+from hflow.workers.fsdp_workers import engine_idle_metrics, engine_info_of, generate_with, serve_with
 from hflow.workers.rollout.base import WeightUpdates
 from hflow.workers.weight_sync import SENDER, StagedWeights, StreamedWeights, WeightGroup, WeightManifest
 
@@ -175,9 +175,31 @@ class RolloutWorker(Worker):
         if "rollout_versions" not in output.batch.keys():
             versions = torch.full_like(output.batch["responses"], started_with)
             output.batch["rollout_versions"] = versions.masked_fill(output.batch["attention_mask"][:, -versions.shape[1]:] == 0, -1)
-        output.meta_info.setdefault("metrics", {})["perf/rollout_idle_s"] = idle
-        self._generation_end, self._load_s = time.perf_counter(), 0.0
+        ended = time.perf_counter()
+        metrics = output.meta_info.setdefault("metrics", {})
+        # idle: no batch since the last one ended, or no request running within this one (tools, the tail)
+        idle += metrics.pop("perf/rollout_idle_in_call_s", 0.0)
+        window = ended - (self._generation_end if self._generation_end is not None else started)
+        metrics.update(engine_idle_metrics(self.context.dp_rank, idle, window))
+        self._generation_end, self._load_s = ended, 0.0
         return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def serve_routed(self, router) -> dict:
+        """`rollout.admission=continuous`: run the rows `router` hands this engine, from any submitted batch
+        whose weights it holds, until none is left for it; updates are taken between engine steps."""
+        if self.weights_version < 0 and (getattr(self, "weight_group", None) is None or not self._update_waiting()):
+            raise RuntimeError("serve_routed() before any weights arrived; call receive_weights() first")
+        self._catch_up(0)  # the engine is empty between serve calls: load what arrived meanwhile
+        partial = bool(self.config.rollout.partial_rollout)
+
+        def between_steps(busy: bool) -> None:
+            if self._staged is not None and not busy:  # nothing runs: the staged update goes in now
+                staged, self._staged = self._staged, None
+                self._load(staged, staged.version)
+
+        return serve_with(self.rollout, self.context, router, self.generation_config, self.tokenizer,
+                          weight_updates=_UpdatesDuringGeneration(self, partial), between_steps=between_steps)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def generation_state(self) -> dict:

@@ -92,9 +92,10 @@ def test_a_checkpoint_taken_with_rollouts_in_flight_resumes_by_drawing_those_bat
     trainer = object.__new__(RayPPOTrainer)
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path), "max_actor_ckpt_to_keep": None,
                                                    "resume_mode": "auto", "resume_from_path": None,
-                                                   "async_steps": 2},
+                                                   "async_steps": 2, "backend": "ray"},
                                        "reward_model": {"enable": False},
-                                       "actor_rollout_ref": {"model": {"path": str(tmp_path / "model")}},
+                                       "actor_rollout_ref": {"model": {"path": str(tmp_path / "model")},
+                                                             "rollout": {"admission": "static"}},
                                        "critic": {"model": {"path": None}}})
     trainer.global_steps, trainer.use_critic, trainer.kl_ctrl_in_reward = 2, False, None
     trainer.scorer = SimpleNamespace(reward_norm=None)
@@ -186,7 +187,8 @@ def _sources(log: list, seen_meta: list):
 
     rows = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
             "position_ids": torch.arange(3).repeat(2, 1)}
-    config = OmegaConf.create({"trainer": {"async_steps": 0}, "reward_model": {"enable": False}})
+    config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray"}, "reward_model": {"enable": False},
+                               "actor_rollout_ref": {"rollout": {"admission": "static"}}})
     generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9}])
     colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))

@@ -259,3 +259,41 @@ def test_tool_tokens_get_exactly_zero_gradient(vllm_rollout, tiny_tokenizer, tin
     tool = (mask == 0) & (data.batch["attention_mask"][:, -RESPONSE_LENGTH:] == 1)
     assert (per_position[tool] == 0).all(), "tool tokens received gradient"
     assert (per_position[mask.bool()] > 0).all()
+
+
+def test_routed_episodes_run_whole_on_their_engine_token_in_token_out(vllm_rollout, tiny_tokenizer, hf_model,
+                                                                      monkeypatch):
+    """Continuous admission: the engine takes episodes from a router as the agent loop asks for them
+    (`admit`), runs every turn of each, and they come back complete, in row order, token in token out. Served
+    again as one of two engines (the test holds 5 episodes), each episode it runs is the same as alone: its
+    turns' requests carry seeds of their own."""
+    import hflow.workers.rollout.vllm_rollout as module
+    from hflow.trainer.ppo.routed_rollout import assemble_routed
+    from hflow.workers.rollout.base import prompt_token_ids
+    from hflow.workers.rollout.router import RouterClient, RowRouter
+
+    recorder = Recorder(monkeypatch, module, "_StreamingEngine")
+    push(vllm_rollout, hf_model)
+    prompts, n = make_prompts(tiny_tokenizer, QUESTIONS), 4
+    stop = {"eos_token_id": prompts.meta_info["eos_token_id"], "pad_token_id": prompts.meta_info["pad_token_id"]}
+    samples = [{"ids": ids, "tools_kwargs": {}} for ids in prompt_token_ids(prompts) for _ in range(n)]
+
+    alone = RowRouter(engines=1)
+    alone.submit(0, samples, {}, min_version=0)
+    vllm_rollout.serve(RouterClient(alone), 0, stop)
+    reference = alone.collect(0)
+    output = assemble_routed(prompts, {}, n, reference, vllm_rollout.config)
+    check_token_in_token_out(output, tiny_tokenizer, chat_prompt_ids(tiny_tokenizer, QUESTIONS), recorder.turns, n=n)
+    check_sampler_log_probs(output, hf_model)
+
+    shared = RowRouter(engines=2)
+    shared.submit(0, samples, {}, min_version=0)
+    held = shared.exchange(1, [], running=0, room=5, version=0, any_version=True)
+    vllm_rollout.serve(RouterClient(shared), 0, stop)
+    shared.exchange(1, [(b, r, reference["results"][r]) for b, r, *_ in held], 0, 0, 0, any_version=True)
+    routed = shared.collect(0)
+    assert routed["rows_per_engine"] == [7, 5]
+    for row in range(len(samples)):
+        if routed["engine_of"][row] == 0:
+            assert routed["results"][row].response_ids == reference["results"][row].response_ids, row
+            assert routed["results"][row].loss_mask == reference["results"][row].loss_mask, row

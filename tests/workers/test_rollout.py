@@ -576,3 +576,101 @@ def test_update_without_partial_rollout_is_staged_and_requests_finish_with_their
     assert updates.staged and output.meta_info["metrics"]["rollout/interrupted_requests"] == 0
     old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
     assert new == 0 and old == int(mask.sum())
+
+
+# ---- continuous admission: this engine serves the rows a router hands it ---------------------------
+
+
+def serve_batch(rollout, router, engine: int, prompts: DataProto) -> None:
+    from hflow.workers.rollout.router import RouterClient
+
+    stop = {"eos_token_id": prompts.meta_info["eos_token_id"], "pad_token_id": prompts.meta_info["pad_token_id"]}
+    rollout.serve(RouterClient(router), engine, stop)
+
+
+def submit(router, prompts: DataProto, n: int) -> None:
+    from hflow.workers.rollout.base import prompt_token_ids
+
+    router.submit(0, [{"ids": ids, "tools_kwargs": {}} for ids in prompt_token_ids(prompts) for _ in range(n)],
+                  {}, min_version=0)
+
+
+def test_routed_rows_come_back_in_order_and_each_row_samples_the_same_on_any_engine(rollout, hf_model, tiny_tokenizer):
+    """The real engine serves a batch alone (the reference), then again as engine 0 of two while the test,
+    as engine 1, holds 5 of the 12 samples and answers them from the reference. Each sample's request has
+    its own seed, so the rows the engine ran among fewer others are the reference's, token for token; the
+    assembled output is the reference's in the original row order."""
+    from hflow.trainer.ppo.routed_rollout import assemble_routed
+    from hflow.workers.rollout.router import RowRouter
+
+    push(rollout, hf_model)
+    n, config = 4, rollout.config
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS)
+    alone = RowRouter(engines=1)
+    submit(alone, prompts, n)
+    serve_batch(rollout, alone, 0, prompts)
+    reference = alone.collect(0)
+    assert reference["rows_per_engine"] == [12]
+
+    shared = RowRouter(engines=2)
+    submit(shared, prompts, n)
+    held = shared.exchange(1, [], running=0, room=5, version=0, any_version=True)
+    assert len(held) == 5
+    serve_batch(rollout, shared, 0, prompts)  # returns with engine 1's rows still out: nothing left for it
+    assert not shared.complete(0)
+    shared.exchange(1, [(b, r, reference["results"][r]) for b, r, *_ in held], 0, 0, 0, any_version=True)
+    routed = shared.collect(0)
+    assert routed["rows_per_engine"] == [7, 5]
+    engine0 = [r for r in range(12) if routed["engine_of"][r] == 0]
+    for r in engine0:
+        assert routed["results"][r]["tokens"] == reference["results"][r]["tokens"], r
+        assert routed["results"][r]["log_probs"] == pytest.approx(reference["results"][r]["log_probs"], abs=PARITY_TOL)
+    distinct = {tuple(reference["results"][r]["tokens"]) for r in range(12)}
+    assert len(distinct) > 6  # samples of one prompt differ: the seeds are per row, not per prompt
+
+    output = assemble_routed(prompts, {}, n, routed, config)
+    expected = assemble_routed(prompts, {}, n, reference, config)
+    for key in ("prompts", "responses", "attention_mask", "position_ids", "rollout_log_probs"):
+        assert torch.allclose(output.batch[key].float(), expected.batch[key].float(), atol=PARITY_TOL), key
+    assert torch.equal(output.batch["prompts"][::n], prompts.batch["input_ids"])  # prompt-major, in order
+    metrics = output.meta_info["metrics"]
+    assert metrics["rollout/rows/engine0"] == [7.0] and metrics["rollout/rows/engine1"] == [5.0]
+
+
+def test_routed_later_batch_waits_for_its_weights_loaded_once_nothing_runs(rollout, hf_model, tiny_tokenizer):
+    """One serve call runs two batches; the second asks for policy 1, whose update arrives (staged, no partial
+    rollouts) while the first batch runs. The engine loads it once nothing runs on it, between two steps,
+    and only then takes the second batch: the first batch is all version 0, the second all version 1, each
+    with its model's log-probs."""
+    import copy
+
+    from hflow.trainer.ppo.routed_rollout import assemble_routed
+    from hflow.workers.rollout.base import prompt_token_ids
+    from hflow.workers.rollout.router import RouterClient, RowRouter
+
+    new_model = copy.deepcopy(hf_model)
+    perturb_(new_model, torch.Generator().manual_seed(7), scale=0.05)
+    push(rollout, hf_model)
+    prompts, n = make_prompts(tiny_tokenizer, QUESTIONS), 2
+    samples = [{"ids": ids, "tools_kwargs": {}} for ids in prompt_token_ids(prompts) for _ in range(n)]
+    router = RowRouter(engines=1)
+    router.submit(0, samples, {}, min_version=0)
+    router.submit(1, samples, {}, min_version=1)
+    updates = UpdateAfterSteps(rollout, new_model, after=3, partial=False)
+    loaded_while_busy = []
+
+    def between_steps(busy: bool) -> None:
+        if updates.staged and not busy:
+            push(rollout, new_model)
+            updates.staged, updates._version = False, 1
+            loaded_while_busy.append(busy)
+
+    stop = {"eos_token_id": prompts.meta_info["eos_token_id"], "pad_token_id": prompts.meta_info["pad_token_id"]}
+    rollout.serve(RouterClient(router), 0, stop, weight_updates=updates, between_steps=between_steps)
+    assert loaded_while_busy == [False]
+    for batch, version in ((0, 0), (1, 1)):
+        output = assemble_routed(prompts, {}, n, router.collect(batch), rollout.config)
+        mask = output.batch["rollout_versions"] >= 0
+        assert set(output.batch["rollout_versions"][mask].tolist()) == {version}, batch
+        old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
+        assert (old, new) == ((int(mask.sum()), 0) if version == 0 else (0, int(mask.sum())))

@@ -172,6 +172,10 @@ class GroupCall:
         self._pending, self._collect_fn = pending, collect_fn
         self._done, self._value = False, None
 
+    def ready(self) -> bool:
+        """Every rank has finished (result() would not wait)."""
+        return self._done or self._worker_group.ready(self._pending)
+
     def result(self) -> Any:
         if not self._done:
             outputs = self._worker_group.wait(self._method_name, self._pending)
@@ -213,6 +217,10 @@ class WorkerGroup:
     @property
     def master_port(self) -> str | None:
         return self._master_port
+
+    def ready(self, pending: Any) -> bool:
+        """Whether a started call's results are all in (a backend that runs calls at submission: always)."""
+        return True
 
     def _rendezvous(self) -> None:
         """Rank 0 picks the address; every rank learns it before any method that needs collectives."""

@@ -245,6 +245,10 @@ class RayWorkerGroup(WorkerGroup):
     def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
         return self._call(self._workers[0], method_name, *args, **kwargs)
 
+    def ready(self, refs) -> bool:
+        refs = [refs] if isinstance(refs, ray.ObjectRef) else list(refs)
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
     def wait(self, method_name: str, refs):
         """Results of one call on every rank, in rank order; raise as soon as any rank fails.
 

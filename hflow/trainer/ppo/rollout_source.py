@@ -26,6 +26,7 @@ from hflow.single_controller.base import GroupCall, WorkerGroup
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker
 from hflow.workers.rollout_worker import RolloutWorker
 from hflow.trainer.ppo.metric_utils import reduce_metrics
+from hflow.trainer.ppo.routed_rollout import RoutedGeneration
 
 
 @contextmanager
@@ -63,7 +64,7 @@ class PendingRollout:
 
     batch: DataProto
     gen_batch: DataProto
-    call: GroupCall
+    call: GroupCall  # or a RoutedCall (continuous admission): result() is the output either way
     version: int
     loader_state: dict
     output: DataProto | None = None
@@ -96,6 +97,11 @@ class RolloutSource:
         self._receive: GroupCall | None = None  # split placement: the last weight update submitted to the pool
         self._scoring = (ThreadPoolExecutor(1, thread_name_prefix="hflow-scoring")
                          if self.async_steps and not config.reward_model.enable else None)
+        rollout = config.actor_rollout_ref.rollout
+        # continuous admission (one engine on the local backend: nothing to route)
+        self._routed = rollout.admission == "continuous" and config.trainer.backend == "ray"
+        self._routing: RoutedGeneration | None = None
+        self._rollout_config = rollout
 
     def _epoch_batches(self):
         """Batches from the loader's current position on, epoch after epoch (the loader is resumable and
@@ -238,8 +244,14 @@ class RolloutSource:
         self._push_weights()
         self._generation_meta(gen_batch)
         receive, self._receive = self._receive, None
-        rollout = PendingRollout(batch, gen_batch, self.generator.start(self.engine_worker.generate_sequences, gen_batch),
-                                 self.version, loader_state, receive=receive)
+        if self._routed:
+            if self._routing is None:
+                self._routing = RoutedGeneration(self.generator, self._rollout_config,
+                                                 colocated=self.engine_worker is ActorRolloutRefWorker)
+            call = self._routing.start(gen_batch, min_version=self.version)
+        else:
+            call = self.generator.start(self.engine_worker.generate_sequences, gen_batch)
+        rollout = PendingRollout(batch, gen_batch, call, self.version, loader_state, receive=receive)
         if self._scoring is not None:
             rollout.scored = self._scoring.submit(self._generate_and_score, rollout)
         return rollout
@@ -252,10 +264,12 @@ class RolloutSource:
         metrics["timing_s/reward_overlapped"] = timing.get("reward", 0.0)
         return batch, reward, metrics
 
-    @staticmethod
-    def _collect(rollout: PendingRollout) -> None:
+    def _collect(self, rollout: PendingRollout) -> None:
         if rollout.receive is not None:
-            rollout.receive.result()  # the weight update before it: its errors surface here
+            if self._routing is not None:  # it may queue behind serve calls that run later batches too
+                self._routing.watch(rollout.receive)
+            else:
+                rollout.receive.result()  # the weight update before it: its errors surface here
         rollout.output = rollout.call.result()
 
 

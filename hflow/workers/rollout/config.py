@@ -23,6 +23,7 @@ from hflow.config_schema import (
 
 PREFIX = "actor_rollout_ref.rollout"
 ROLLOUT_NAMES = ("vllm", "hf")
+ADMISSIONS = ("static", "continuous")
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RolloutConfig:
     seed: int = 0
     calculate_log_probs: bool = True
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
+    admission: str = "static"  # static: a fixed shard per engine; continuous: rows routed to the least-loaded engine
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
@@ -134,3 +136,11 @@ def check_sampling(rollout: Any) -> None:
 
 def check_rollout_name(name: str) -> None:
     check_choice(name, ROLLOUT_NAMES, f"{PREFIX}.name")
+
+
+def check_admission(rollout: Any) -> None:
+    """`rollout.admission`: continuous admission routes single requests to vLLM engines of one rank each."""
+    check_choice(rollout.admission, ADMISSIONS, f"{PREFIX}.admission")
+    if rollout.admission == "continuous" and (rollout.name != "vllm" or int(rollout.tensor_model_parallel_size) != 1):
+        raise ConfigError(f"{PREFIX}.admission=continuous needs rollout.name=vllm and tensor_model_parallel_size=1 "
+                          f"(got {rollout.name}, {rollout.tensor_model_parallel_size}); set admission=static")

@@ -37,7 +37,7 @@ from hflow.protocol import DataProto
 from hflow.utils.torch_functional import pad_2d_list_to_length
 from hflow.workers.rollout.base import SamplingSettings, assemble_rollout_output, pad_log_probs, prompt_token_ids
 
-__all__ = ["MultiTurnRollout", "load_rollout_tools"]
+__all__ = ["MultiTurnRollout", "assemble_episodes", "load_rollout_tools"]
 
 
 def load_rollout_tools(multi_turn: Any) -> dict:
@@ -80,24 +80,26 @@ class MultiTurnRollout:
         started = time.perf_counter()
         episodes = self.loop.run(engine, ids, eos_token_ids=[int(t) for t in np.atleast_1d(eos)],
                                  tools_kwargs=tools_kwargs, agree=agree, all_done=all_done, rows=rows)
-        output = self._assemble(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs)
+        output = assemble_episodes(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs,
+                                   self.response_length)
         output.meta_info["metrics"] = agent_metrics(episodes, time.perf_counter() - started)
         return output
 
-    def _assemble(self, prompts: DataProto, episodes: list[Episode], n: int, pad_token_id: int,
-                  calculate_log_probs: bool) -> DataProto:
-        width = self.response_length
-        responses = pad_2d_list_to_length([e.response_ids for e in episodes], pad_token_id, max_length=width)
-        lengths = torch.tensor([len(e.response_ids) for e in episodes])
-        attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
-        log_probs = pad_log_probs([e.log_probs for e in episodes], width) if calculate_log_probs else None
-        output = assemble_rollout_output(prompts, responses, n, log_probs, response_attention_mask=attention)
-        output.batch["response_mask"] = pad_2d_list_to_length([e.loss_mask for e in episodes], 0, max_length=width)
-        output.batch["turn_rewards"] = torch.tensor([e.token_rewards(width) for e in episodes], dtype=torch.float32)
-        if any(v >= 0 for e in episodes for v in e.versions):  # the engine recorded them (weight updates in flight)
-            output.batch["rollout_versions"] = pad_2d_list_to_length([e.versions for e in episodes], -1, max_length=width)
-        output.non_tensor_batch["episode"] = np.array([e.summary() for e in episodes], dtype=object)
-        return output
+
+def assemble_episodes(prompts: DataProto, episodes: list[Episode], n: int, pad_token_id: int,
+                      calculate_log_probs: bool, width: int) -> DataProto:
+    """The rollout output of `episodes` (prompt-major, n per prompt of `prompts`), `width` tokens wide."""
+    responses = pad_2d_list_to_length([e.response_ids for e in episodes], pad_token_id, max_length=width)
+    lengths = torch.tensor([len(e.response_ids) for e in episodes])
+    attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    log_probs = pad_log_probs([e.log_probs for e in episodes], width) if calculate_log_probs else None
+    output = assemble_rollout_output(prompts, responses, n, log_probs, response_attention_mask=attention)
+    output.batch["response_mask"] = pad_2d_list_to_length([e.loss_mask for e in episodes], 0, max_length=width)
+    output.batch["turn_rewards"] = torch.tensor([e.token_rewards(width) for e in episodes], dtype=torch.float32)
+    if any(v >= 0 for e in episodes for v in e.versions):  # the engine recorded them (weight updates in flight)
+        output.batch["rollout_versions"] = pad_2d_list_to_length([e.versions for e in episodes], -1, max_length=width)
+    output.non_tensor_batch["episode"] = np.array([e.summary() for e in episodes], dtype=object)
+    return output
 
 
 def _as_dict(value: Any, row: int, key: str = "tools_kwargs") -> Mapping[str, Any]:

@@ -58,6 +58,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from hflow.agent.loop import TurnEngine, TurnResult  # noqa: E402
 from hflow.workers.rollout.multi_turn import MultiTurnRollout  # noqa: E402
+from hflow.workers.rollout.router import RouterClient, request_seed, serve_rows  # noqa: E402
 
 __all__ = ["vLLMRollout"]
 
@@ -199,8 +200,11 @@ class vLLMRollout(BaseRollout):
                 output = self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs, agree=agree)
             else:
                 output = self._generate_single_turns(prompts, settings.n, engine, pad_token_id)
+            engine.account()
+            metrics = output.meta_info.setdefault("metrics", {})
+            metrics["perf/rollout_idle_in_call_s"] = engine.idle_s  # no request ran: tools, or the batch's tail
             if weight_updates is not None:
-                output.meta_info.setdefault("metrics", {})["rollout/interrupted_requests"] = engine.interrupted
+                metrics["rollout/interrupted_requests"] = engine.interrupted
             return output
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids(prompts)]
         outputs = self.llm.generate(requests, self._sampling_params(settings, eos_token_id), use_tqdm=False)
@@ -217,6 +221,87 @@ class vLLMRollout(BaseRollout):
         response_ids = pad_2d_list_to_length(responses, pad_token_id, max_length=self.response_length)
         rollout_log_probs = pad_log_probs(log_probs, self.response_length) if self.calculate_log_probs else None
         return assemble_rollout_output(prompts, response_ids, settings.n, rollout_log_probs)
+
+    @torch.no_grad()
+    def serve(self, client: RouterClient, engine_id: int, resolved: dict, weight_updates: WeightUpdates | None = None,
+              only_batch: int | None = None, between_steps=None) -> dict[str, float]:
+        """Continuous admission (`hflow.workers.rollout.router`): run the rows the router hands this engine,
+        one request per sample (an episode's turns all here), until it has none to give and none run here.
+        `resolved` holds the stop and pad ids of this worker; `between_steps(busy)` runs between two engine
+        steps (a split worker loads staged weights there when nothing runs)."""
+        engine = _StreamingEngine(self.llm, None, self.calculate_log_probs, weight_updates)
+        params: dict[int, SamplingParams] = {}  # per batch
+        where: dict[int, tuple[int, int]] = {}  # key -> (batch, row)
+        seed = int(self.config.seed)
+        engine.seed_of = lambda key, turn: request_seed(seed, *where[key], turn)
+        eos = [int(t) for t in np.atleast_1d(resolved["eos_token_id"])]
+
+        def start(rows: list, first_key: int) -> None:
+            for offset, (batch, row, _, meta) in enumerate(rows):
+                if batch not in params:
+                    settings = resolve_sampling(self.config, {**resolved, **meta})
+                    params[batch] = self._sampling_params(dataclasses.replace(settings, n=1), meta.get("eos_token_id", eos))
+                where[first_key + offset] = (batch, row)
+                engine.key_params[first_key + offset] = params[batch]
+
+        def version() -> int:
+            return weight_updates.version if weight_updates is not None else 0
+
+        def run(admit) -> None:
+            if self.multi_turn is not None:
+                self._serve_episodes(engine, admit, start, where, eos, between_steps)
+            else:
+                self._serve_single_turns(engine, admit, start, where, between_steps)
+
+        serve_rows(client, engine_id, int(self.config.max_num_seqs), version,
+                   any_version=weight_updates is None or weight_updates.partial, only_batch=only_batch,
+                   resolved=resolved, running=lambda: len(engine.turns), run=run)
+        return {"rollout/interrupted_requests": engine.interrupted}
+
+    def _serve_single_turns(self, engine: _StreamingEngine, admit, start, where: dict, between_steps) -> None:
+        finished: list = []
+        next_key = 0
+        while True:
+            if between_steps is not None:
+                between_steps(engine.busy())
+            rows = admit(finished, not engine.busy())
+            finished = []
+            if rows is None:
+                return
+            start(rows, next_key)
+            for _, _, sample, _ in rows:
+                engine.add_turn(next_key, sample["ids"], self.response_length)
+                next_key += 1
+            if not engine.busy():
+                engine.poll()  # takes a weight update that arrived
+                time.sleep(0.005)  # nothing to run yet: ask again in a moment
+                continue
+            for result in engine.poll():
+                batch, row = where.pop(result.key)
+                engine.key_params.pop(result.key, None)
+                finished.append((batch, row, {"tokens": result.token_ids, "log_probs": result.log_probs,
+                                              "versions": result.versions}))
+
+    def _serve_episodes(self, engine: _StreamingEngine, admit, start, where: dict, eos: list[int],
+                        between_steps) -> None:
+        unreported: set[int] = set()
+
+        def admit_episodes(episodes: list) -> list | None:
+            if between_steps is not None:
+                between_steps(engine.busy())
+            done = [key for key in unreported if episodes[key].closed]  # final rewards in, instances released
+            unreported.difference_update(done)
+            finished = [(*where[key], episodes[key]) for key in sorted(done)]
+            rows = admit(finished, not unreported)
+            if rows is None:
+                return None
+            start(rows, len(episodes))
+            unreported.update(range(len(episodes), len(episodes) + len(rows)))
+            if not rows and not engine.busy():
+                time.sleep(0.002)
+            return [(sample["ids"], sample["tools_kwargs"], sample.get("agent_kwargs")) for _, _, sample, _ in rows]
+
+        self.multi_turn.loop.run(engine, [], eos_token_ids=eos, admit=admit_episodes)
 
     def _generate_single_turns(self, prompts: DataProto, n: int, engine: _StreamingEngine,
                                pad_token_id: int) -> DataProto:
@@ -305,6 +390,7 @@ class _Turn:
     tokens: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    nth: int = 0  # the episode's how-manieth turn (its request seed)
 
 
 class _StreamingEngine(TurnEngine):
@@ -327,12 +413,30 @@ class _StreamingEngine(TurnEngine):
         self.turns: dict[str, _Turn] = {}  # request id -> turn
         self.count = 0
         self.interrupted = 0  # requests stopped by a weight update and continued with the new weights
+        # continuous admission: each key's own sampling settings and per-request seed (key, its turn) -> seed
+        self.key_params: dict[int, SamplingParams] = {}
+        self.seed_of = None
+        self._turns_of: dict[int, int] = {}
+        self.idle_s = 0.0  # seconds this engine ran no request (between its first turn and now)
+        self._mark: float | None = None
 
     def add_turn(self, key: int, ids: list[int], max_tokens: int) -> None:
-        self._add(_Turn(key, list(ids), max_tokens))
+        turn = self._turns_of.get(key, 0)
+        self._turns_of[key] = turn + 1
+        self._add(_Turn(key, list(ids), max_tokens, nth=turn))
+
+    def account(self) -> None:
+        """Add the time since the last look to `idle_s` if no request ran meanwhile."""
+        now = time.perf_counter()
+        if self._mark is not None and not self.turns:
+            self.idle_s += now - self._mark
+        self._mark = now
 
     def _add(self, turn: _Turn) -> None:
-        params = self.params.clone()
+        self.account()
+        params = self.key_params.get(turn.key, self.params).clone()
+        if self.seed_of is not None:
+            params.seed = self.seed_of(turn.key, turn.nth)
         params.max_tokens = turn.max_tokens - len(turn.tokens)
         params.output_kind = self.output_kind
         request_id = f"turn-{self.count}"
@@ -344,9 +448,10 @@ class _StreamingEngine(TurnEngine):
         return bool(self.turns)
 
     def poll(self) -> list[TurnResult]:
+        self.account()
+        self._take_weight_update()  # also with nothing running: an idle engine must not hold the sender up
         if not self.turns:
             return []
-        self._take_weight_update()
         results = []
         for output in self.engine.step():
             turn = self.turns.get(output.request_id)
