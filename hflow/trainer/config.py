@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.algorithms.config import AlgorithmConfig
+from hflow.algorithms.config import AlgorithmConfig, rollout_mask_on
 from hflow.config_schema import (
     WORLD_KEYS,
     ConfigError,
@@ -297,7 +297,8 @@ def reuses_update_log_probs(config: Any) -> bool:
     if algo.reuse_update_log_probs is not None:
         return bool(algo.reuse_update_log_probs)
     return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
-            and not algo.use_kl_in_reward and algo.rollout_is is None and not algo.use_rollout_log_probs
+            and not algo.use_kl_in_reward and algo.rollout_is is None and not rollout_mask_on(algo)
+            and not algo.use_rollout_log_probs
             and int(config.trainer.async_steps) == 0)
 
 

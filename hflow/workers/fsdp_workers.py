@@ -379,7 +379,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         from hflow.workers.fsdp import full_param_shapes
 
         self._require(self._is_actor, "weight_manifest", "actor")
-        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype))
+        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype),
+                           self.config.rollout.weight_bucket_mb)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_weight_group(self, master_addr: str, master_port: str, world_size: int) -> None:
@@ -396,9 +397,10 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
         self._onload(self.actor_module, None, self._offload_param, False)
-        sent = send_weights(getattr(self, "_weight_group", None), manifest, iter_full_params(self.actor_module), version)
+        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest,
+                                        iter_full_params(self.actor_module), version)
         self._offload(self.actor_module, None, self._offload_param, False)
-        return {"seconds": time.perf_counter() - started, "bytes": float(sent)}
+        return {"seconds": time.perf_counter() - started, "bytes": float(sent), "collectives": float(broadcasts)}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -65,6 +65,7 @@ class RolloutConfig:
     seed: int = 0
     calculate_log_probs: bool = True
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
+    weight_bucket_mb: Optional[float] = 256.0  # split: the weight stream packs tensors into broadcasts of this many MiB; null = one per tensor
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
@@ -134,3 +135,10 @@ def check_sampling(rollout: Any) -> None:
 
 def check_rollout_name(name: str) -> None:
     check_choice(name, ROLLOUT_NAMES, f"{PREFIX}.name")
+
+
+def check_weight_bucket(rollout: Any) -> None:
+    """`rollout.weight_bucket_mb`: a size > 0 in MiB, or null (one broadcast per tensor)."""
+    if rollout.weight_bucket_mb is not None and not float(rollout.weight_bucket_mb) > 0:
+        raise ConfigError(f"{PREFIX}.weight_bucket_mb must be > 0 MiB (the weight stream's bucket; a tensor larger "
+                          f"than it goes alone) or null (one broadcast per tensor), got {rollout.weight_bucket_mb}")
