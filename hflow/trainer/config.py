@@ -61,6 +61,7 @@ class TrainerConfig:
     placement: str = "colocate"  # colocate | split
     rollout_n_gpus: int = 1  # split: devices of the rollout pool
     async_steps: int = 0  # k >= 0: train on rollouts at most k policy versions old (k >= 1: split only)
+    deterministic: bool = False  # the same command writes the same metrics and checkpoints (model.batch_invariant)
     total_epochs: int = 1
     total_training_steps: Optional[int] = None
     critic_warmup: int = 0

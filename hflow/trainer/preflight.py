@@ -141,6 +141,7 @@ def preflight_check(config: DictConfig) -> None:
         run(check_placement_and_batches, config)
     if int(trainer.async_steps) >= 0:  # a negative one: check_placement's error
         run(check_asynchrony, config)
+    run(check_deterministic, config)
 
     if model_ok and sizes_ok:
         run(check_context_length, config)
@@ -459,3 +460,20 @@ def check_asynchrony(config: DictConfig) -> None:
         raise ConfigError("actor_rollout_ref.rollout.partial_rollout=true continues generations in flight with new "
                           "weights, which only arrive during generation with trainer.placement=split and "
                           "trainer.async_steps >= 1")
+
+
+def check_deterministic(config: DictConfig) -> None:
+    """`trainer.deterministic=true`: the options whose result depends on timing, named together."""
+    if not config.trainer.deterministic:
+        return
+    errors = ConfigErrors()
+    with errors.catch():
+        if config.actor_rollout_ref.rollout.partial_rollout:
+            raise ConfigError("trainer.deterministic=true with actor_rollout_ref.rollout.partial_rollout=true: where an "
+                              "update interrupts a generation depends on timing; set one of them false")
+    with errors.catch():
+        if int(config.trainer.async_steps) >= 2:
+            raise ConfigError(f"trainer.deterministic=true with trainer.async_steps={config.trainer.async_steps}: updates "
+                              "reach the engines during a generation, at steps that depend on timing; use "
+                              "trainer.async_steps <= 1 (updates between generations) or trainer.deterministic=false")
+    errors.raise_any()

@@ -185,6 +185,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
     use_remove_padding: bool = False  # actor/ref forwards on the valid tokens packed into one row
+    batch_invariant: bool = ref("trainer.deterministic")  # actor/ref products on fixed tiles (utils.batch_invariant)
     lora_rank: int = 0  # LoRA (PEFT) adapters of this rank on the actor; 0 = train every weight
     lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
     target_modules: Any = "all-linear"  # the linears that get adapters: "all-linear" or a list of module names

@@ -51,10 +51,12 @@ def test_two_steps_off_learns_within_the_bound(async2_run):
     steps = trained_steps(records, k=2)
     # the pipeline fills: step 1 is sampled by the policy it trains, step 2 one update behind, then two
     assert [r["training/staleness/max"] for r in steps] == [0, 1] + [2] * (STEPS - 2)
-    # the mismatch mask ran beside the truncated weights on every step, and rejected a minority at most
-    for r in steps:
-        assert "rollout_is/mean" in r and 0 <= r["rollout_mask/masked_frac"] < 0.5, r
-        assert r["rollout_mask/masked_frac"] >= r["rollout_mask/token_masked_frac"], r
+    # the mismatch mask ran beside the truncated weights on every step: nothing masked on step 1, sampled by
+    # the policy it trains (fp32: ratios 1 to 1e-4), tokens masked once the sampler is two updates behind
+    masked = [(r["rollout_mask/masked_frac"], r["rollout_mask/token_masked_frac"], r["rollout_mask/seq_masked_frac"],
+               r["rollout_is/mean"]) for r in steps]
+    assert masked[0][0] == 0.0 and max(m[0] for m in masked[2:]) > 0, masked
+    assert all(1 >= m[0] >= m[1] for m in masked), masked
     # the engine generated while the trainer trained: after the warm-up the trainer waits for little of it
     later = steps[3:]
     waited = sorted(r["timing_s/gen"] for r in later)[len(later) // 2]
