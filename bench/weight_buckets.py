@@ -149,10 +149,14 @@ def main() -> None:
             import ray
 
             ray.shutdown()  # each workload's workers in a fresh Ray
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (RESULTS / f"{args.out}.md").write_text(report(results) + "\n")
+            write(results, args.out)  # after each workload: a later failure keeps the earlier results
     print(report(results))
+
+
+def write(results: dict, name: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(report(results) + "\n")
 
 
 if __name__ == "__main__":
