@@ -65,7 +65,7 @@ class RolloutConfig:
     seed: int = 0
     calculate_log_probs: bool = True
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
-    weight_bucket_mb: Optional[float] = 256.0  # split: the weight stream packs tensors into broadcasts of this many MiB; null = one per tensor
+    weight_bucket_mb: Optional[float] = 16.0  # split: the weight stream packs tensors into broadcasts of this many MiB; null = one per tensor
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
