@@ -41,6 +41,14 @@ class DistillConfig:
 
 
 @dataclass
+class RolloutMaskConfig:
+    token_low: Optional[float] = None  # IcePop: a token whose ratio pi_old / pi_rollout is below gets weight 0
+    token_high: Optional[float] = None  # ... or above
+    sequence_low: Optional[float] = None  # a response whose geometric-mean ratio is below gets weight 0
+    sequence_high: Optional[float] = None  # ... or above
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -51,6 +59,7 @@ class AlgorithmConfig:
     rollout_check_freq: int = 10  # with reused log-probs: the separate pass (and its checks) every N steps
     rollout_is: Optional[str] = None  # token | sequence: truncated IS weights pi_old / pi_rollout on the pg loss
     rollout_is_threshold: float = 2.0  # C, the truncation of those weights
+    rollout_mask: RolloutMaskConfig = field(default_factory=RolloutMaskConfig)
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
@@ -136,3 +145,41 @@ def check_turn_rewards(algo) -> None:
                           f"algorithm.adv_estimator={algo.adv_estimator}; use adv_estimator=grpo, or "
                           "turn_rewards=token (the rewards on their turn's last token, which gae and the outcome "
                           "estimators read)")
+
+
+def rollout_mask_bands(algo) -> tuple[tuple[Optional[float], Optional[float]], tuple[Optional[float], Optional[float]]]:
+    """(token band, sequence band) of `algorithm.rollout_mask`, each (low, high) with None for an open side."""
+    mask = algo.rollout_mask
+    low_high = [None if mask.get(key) is None else float(mask.get(key))
+                for key in ("token_low", "token_high", "sequence_low", "sequence_high")]
+    return (low_high[0], low_high[1]), (low_high[2], low_high[3])
+
+
+def rollout_mask_on(algo) -> bool:
+    """Whether `algorithm.rollout_mask` sets any bound."""
+    return any(b is not None for band in rollout_mask_bands(algo) for b in band)
+
+
+def check_rollout_mask(algo) -> None:
+    """`algorithm.rollout_mask`: each bound null or > 0, low < high, and a band around 1 (one that leaves 1
+    out would reject exactly the samples on which the sampler and the trainer agree)."""
+    errors = ConfigErrors()
+    mask = algo.rollout_mask
+    for level in ("token", "sequence"):
+        low_key, high_key = f"{level}_low", f"{level}_high"
+        low, high = mask.get(low_key), mask.get(high_key)
+        ok = errors.run(check_positive_number, low, f"algorithm.rollout_mask.{low_key}", null_ok=True)
+        ok &= errors.run(check_positive_number, high, f"algorithm.rollout_mask.{high_key}", null_ok=True)
+        if not ok:
+            continue
+        with errors.catch():
+            if low is not None and high is not None and not float(low) < float(high):
+                raise ConfigError(f"algorithm.rollout_mask.{low_key}={low} must be < algorithm.rollout_mask.{high_key}"
+                                  f"={high}: the band of ratios pi_old / pi_rollout kept in the loss")
+            if low is not None and float(low) > 1:
+                raise ConfigError(f"algorithm.rollout_mask.{low_key}={low} is above 1, so it would mask the samples the "
+                                  "sampler and trainer agree on (ratio 1); give a lower bound <= 1 (IcePop: 0.5)")
+            if high is not None and float(high) < 1:
+                raise ConfigError(f"algorithm.rollout_mask.{high_key}={high} is below 1, so it would mask the samples "
+                                  "the sampler and trainer agree on (ratio 1); give an upper bound >= 1 (IcePop: 2)")
+    errors.raise_any()

@@ -408,6 +408,80 @@ def compute_rollout_is_weights(
     return weights, metrics
 
 
+@torch.no_grad()
+def compute_rollout_mismatch_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_band: tuple[float | None, float | None] = (None, None),
+    sequence_band: tuple[float | None, float | None] = (None, None),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection of the samples the sampler and the trainer disagree on, beside truncation: where
+    truncation bounds a weight, a mask drops the token (or the response) from the gradient altogether.
+
+        token (IcePop):  keep y_t  iff  low <= pi_old(y_t) / pi_rollout(y_t) <= high
+        sequence:        keep y    iff  low <= exp(mean_t log(pi_old(y_t) / pi_rollout(y_t))) <= high
+
+    The sequence test uses the geometric mean of the token ratios, so a band means the same for a short and
+    a long response (the product would reject every long one). A bound of None is open on that side. The
+    comparisons are in log space: no exp to overflow. Returns `(keep, metrics)`: keep (bs, L) of 1.0 / 0.0,
+    0 outside `response_mask`; `rollout_mask/token_masked_frac` (share of valid tokens outside the token
+    band), `rollout_mask/seq_masked_frac` (share of responses with a valid token outside the sequence band)
+    and `rollout_mask/masked_frac` (share of valid tokens dropped by either).
+    """
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, old_log_prob.float() - rollout_log_prob.float(), 0.0)
+
+    def outside(value: torch.Tensor, band: tuple[float | None, float | None]) -> torch.Tensor:
+        low, high = band
+        out = torch.zeros_like(value, dtype=torch.bool)
+        if low is not None and low > 0:  # a low of 0 rejects nothing
+            out |= value < float(np.log(low))
+        if high is not None:
+            out |= value > float(np.log(high))
+        return out
+
+    token_out = outside(log_ratio, token_band) & valid
+    has_tokens = valid.any(dim=-1, keepdim=True)
+    seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_out = outside(seq_log_ratio, sequence_band) & has_tokens
+    keep = valid & ~token_out & ~seq_out
+    n_valid = valid.sum().clamp(min=1)
+    metrics = {
+        "rollout_mask/token_masked_frac": (token_out.sum() / n_valid).item(),
+        "rollout_mask/seq_masked_frac": (seq_out.sum() / has_tokens.sum().clamp(min=1)).item(),
+        "rollout_mask/masked_frac": ((valid & ~keep).sum() / n_valid).item(),
+    }
+    return keep.float(), metrics
+
+
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    is_level: str | None = None,
+    is_threshold: float = 2.0,
+    token_band: tuple[float | None, float | None] = (None, None),
+    sequence_band: tuple[float | None, float | None] = (None, None),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-token factors of the policy loss for the sampler/trainer gap: the truncated IS weights
+    (`is_level`, None = off: 1 on valid tokens) times the mismatch mask (no band: keep all). A masked token's
+    factor is exactly 0, so it passes no gradient; it keeps its place in the loss's denominator, so masking a
+    token does not up-weight the others (IcePop's objective). Returns `(weights, metrics)` of both parts."""
+    metrics: dict[str, float] = {}
+    if is_level is None:
+        weights = response_mask.float()
+    else:
+        weights, metrics = compute_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask,
+                                                      level=is_level, threshold=is_threshold)
+    if any(bound is not None for bound in (*token_band, *sequence_band)):
+        keep, mask_metrics = compute_rollout_mismatch_mask(old_log_prob, rollout_log_prob, response_mask,
+                                                           token_band, sequence_band)
+        weights = weights * keep
+        metrics.update(mask_metrics)
+    return weights, metrics
+
+
 # ==================================================================================================
 # Entropy and value losses
 # ==================================================================================================

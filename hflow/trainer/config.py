@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.algorithms.config import AlgorithmConfig
+from hflow.algorithms.config import AlgorithmConfig, rollout_mask_on
 from hflow.config_schema import (
     WORLD_KEYS,
     ConfigError,
@@ -62,6 +62,7 @@ class TrainerConfig:
     placement: str = "colocate"  # colocate | split
     rollout_n_gpus: int = 1  # split: devices of the rollout pool
     async_steps: int = 0  # k >= 0: train on rollouts at most k policy versions old (k >= 1: split only)
+    deterministic: bool = False  # the same command writes the same metrics and checkpoints (model.batch_invariant)
     total_epochs: int = 1
     total_training_steps: Optional[int] = None
     critic_warmup: int = 0
@@ -299,8 +300,9 @@ def reuses_update_log_probs(config: Any) -> bool:
     if algo.reuse_update_log_probs is not None:
         return bool(algo.reuse_update_log_probs)
     return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
-            and not algo.use_kl_in_reward and algo.rollout_is is None and not algo.use_rollout_log_probs
-            and float(algo.distill.coef) == 0 and int(config.trainer.async_steps) == 0)
+            and not algo.use_kl_in_reward and algo.rollout_is is None and not rollout_mask_on(algo)
+            and not algo.use_rollout_log_probs and float(algo.distill.coef) == 0
+            and int(config.trainer.async_steps) == 0)
 
 
 def placement_pools(nnodes: int, n_gpus_per_node: int, placement: str, rollout_n_gpus: int) -> tuple[list[int], list[int]]:

@@ -27,6 +27,8 @@ from hflow.algorithms.config import (
     check_old_log_probs,
     check_reward_clip,
     check_turn_rewards,
+    check_rollout_mask,
+    rollout_mask_on,
 )
 from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_positive
 from hflow.reward.config import (
@@ -72,6 +74,7 @@ from hflow.workers.rollout.config import (
     check_rollout_name,
     check_sampling,
     check_tensor_parallel,
+    check_weight_bucket,
     resolve_gpu_memory_utilization,
 )
 
@@ -165,10 +168,12 @@ def preflight_check(config: DictConfig) -> None:
         run(check_placement_and_batches, config)
     if int(trainer.async_steps) >= 0:  # a negative one: check_placement's error
         run(check_asynchrony, config)
+    run(check_deterministic, config)
 
     if model_ok and sizes_ok:
         run(check_context_length, config)
     run(check_sampling, rollout)
+    run(check_weight_bucket, rollout)
 
     # the run, the reward
     if run(check_run, trainer) and model_ok:
@@ -439,23 +444,27 @@ def check_reward_sources(config: DictConfig) -> None:
 
 
 def check_rollout_is(algo: DictConfig, rollout: DictConfig) -> None:
-    """algorithm.rollout_is weighs pi_old (recomputed by the actor) against the sampler's log-probs:
-    both must exist and differ in origin."""
-    level = algo.rollout_is
-    if level is None:
+    """algorithm.rollout_is and algorithm.rollout_mask weigh pi_old (recomputed by the actor) against the
+    sampler's log-probs: both must exist and differ in origin."""
+    level, masking = algo.rollout_is, rollout_mask_on(algo)
+    if level is None and not masking:
         return
-    check_choice(level, [e.value for e in core_algos.RolloutISLevel], "algorithm.rollout_is")
-    if float(algo.rollout_is_threshold) <= 0:
-        raise ConfigError(
-            f"algorithm.rollout_is_threshold must be > 0 (>= 1 is sensible), got {algo.rollout_is_threshold}")
+    if level is not None:
+        check_choice(level, [e.value for e in core_algos.RolloutISLevel], "algorithm.rollout_is")
+        if float(algo.rollout_is_threshold) <= 0:
+            raise ConfigError(
+                f"algorithm.rollout_is_threshold must be > 0 (>= 1 is sensible), got {algo.rollout_is_threshold}")
+    if masking:
+        check_rollout_mask(algo)
+    name = "algorithm.rollout_is" if level is not None else "algorithm.rollout_mask"
     if not rollout.calculate_log_probs:
-        raise ConfigError("algorithm.rollout_is needs the sampler's log-probs: set "
+        raise ConfigError(f"{name} needs the sampler's log-probs: set "
                           "actor_rollout_ref.rollout.calculate_log_probs=true")
     if algo.use_rollout_log_probs:
-        raise ConfigError("algorithm.rollout_is with algorithm.use_rollout_log_probs=true: the old log-probs are then "
+        raise ConfigError(f"{name} with algorithm.use_rollout_log_probs=true: the old log-probs are then "
                           "the sampler's, so there is nothing to correct; set one of them off")
     if algo.reuse_update_log_probs:
-        raise ConfigError("algorithm.rollout_is needs old log-probs recomputed by the actor, which "
+        raise ConfigError(f"{name} needs old log-probs recomputed by the actor, which "
                           "algorithm.reuse_update_log_probs=true skips; set one of them off")
 
 
@@ -481,3 +490,20 @@ def check_asynchrony(config: DictConfig) -> None:
         raise ConfigError("actor_rollout_ref.rollout.partial_rollout=true continues generations in flight with new "
                           "weights, which only arrive during generation with trainer.placement=split and "
                           "trainer.async_steps >= 1")
+
+
+def check_deterministic(config: DictConfig) -> None:
+    """`trainer.deterministic=true`: the options whose result depends on timing, named together."""
+    if not config.trainer.deterministic:
+        return
+    errors = ConfigErrors()
+    with errors.catch():
+        if config.actor_rollout_ref.rollout.partial_rollout:
+            raise ConfigError("trainer.deterministic=true with actor_rollout_ref.rollout.partial_rollout=true: where an "
+                              "update interrupts a generation depends on timing; set one of them false")
+    with errors.catch():
+        if int(config.trainer.async_steps) >= 2:
+            raise ConfigError(f"trainer.deterministic=true with trainer.async_steps={config.trainer.async_steps}: updates "
+                              "reach the engines during a generation, at steps that depend on timing; use "
+                              "trainer.async_steps <= 1 (updates between generations) or trainer.deterministic=false")
+    errors.raise_any()

@@ -188,6 +188,7 @@ class ModelConfig:
     use_remove_padding: Optional[bool] = None  # actor/ref forwards on the valid tokens packed into one row; None = by device
     use_liger: bool = False  # Liger-Kernel RMSNorm/rotary/SwiGLU (hflow.workers.fsdp.kernels)
     use_torch_compile: bool = False  # torch.compile per decoder layer
+    batch_invariant: bool = ref("trainer.deterministic")  # actor/ref products on fixed tiles (utils.batch_invariant)
     lora_rank: int = 0  # LoRA (PEFT) adapters of this rank on the actor; 0 = train every weight
     lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
     target_modules: Any = "all-linear"  # the linears that get adapters: "all-linear" or a list of module names

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
+from hflow.utils.batch_invariant import batch_invariant
 from hflow.utils import device
 from hflow.utils.torch_functional import last_valid_index, response_attention_mask
 from hflow.workers.common import load_tokenizer, memory_metrics
@@ -363,13 +364,18 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             temperature=self.config.rollout.temperature,  # the sampler's T: both log-probs see logits / T
         )
 
+    def _batch_invariant(self):
+        """`model.batch_invariant` (trainer.deterministic): a row's log-prob independent of its companions."""
+        return batch_invariant(bool(self.config.model.get("batch_invariant", False)))
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Log-probs (and entropy) of the responses under the current actor: `old_log_probs`, `entropys`."""
         self._require(self._is_actor, "compute_log_prob", "actor")
         self._onload(self.actor_module, None, self._offload_param, False)
         self._log_prob_meta(data, self.config.rollout)
-        log_probs, entropys = self.actor.compute_log_prob(data.to(device.get_device()), calculate_entropy=True)
+        with self._batch_invariant():
+            log_probs, entropys = self.actor.compute_log_prob(data.to(device.get_device()), calculate_entropy=True)
         self._offload(self.actor_module, None, self._offload_param, False)
         return DataProto.from_dict({"old_log_probs": log_probs.cpu(), "entropys": entropys.cpu()},
                                    meta_info={"temperature": self.config.rollout.temperature})
@@ -384,7 +390,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             module, offload, context = self.ref_module, self._offload_ref_param, nullcontext()
         self._onload(module, None, offload, False)
         self._log_prob_meta(data, self.config.ref)
-        with context:
+        with context, self._batch_invariant():
             log_probs, _ = self.ref_policy.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
         self._offload(module, None, offload, False)
         return DataProto.from_dict({"ref_log_prob": log_probs.cpu()})
@@ -396,7 +402,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._onload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         data.meta_info["temperature"] = self.config.rollout.temperature
         started = time.perf_counter()
-        metrics = self.actor.update_policy(data.to(device.get_device()))
+        with self._batch_invariant():
+            metrics = self.actor.update_policy(data.to(device.get_device()))
         device.synchronize()  # the last optimizer step is still running on the GPU
         elapsed = time.perf_counter() - started
         metrics["timing_s/update_actor_worker"] = elapsed
@@ -421,7 +428,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         from hflow.workers.fsdp import full_param_shapes
 
         self._require(self._is_actor, "weight_manifest", "actor")
-        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype))
+        return manifest_of(full_param_shapes(self.actor_module), getattr(torch, self.config.rollout.dtype),
+                           self.config.rollout.weight_bucket_mb)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_weight_group(self, master_addr: str, master_port: str, world_size: int) -> None:
@@ -438,9 +446,10 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
         self._onload(self.actor_module, None, self._offload_param, False)
-        sent = send_weights(getattr(self, "_weight_group", None), manifest, iter_full_params(self.actor_module), version)
+        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest,
+                                        iter_full_params(self.actor_module), version)
         self._offload(self.actor_module, None, self._offload_param, False)
-        return {"seconds": time.perf_counter() - started, "bytes": float(sent)}
+        return {"seconds": time.perf_counter() - started, "bytes": float(sent), "collectives": float(broadcasts)}
 
     # ------------------------------------------------------------------ checkpoints
 

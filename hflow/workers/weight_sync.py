@@ -5,11 +5,15 @@ own that spans both: the training pool's rank 0 (group rank 0) and every rollout
 1..R). It is built from a TCP store at rank 0's address, not from `torch.distributed.new_group`
 (which only splits the default world): gloo on CPU, NCCL on GPU, the device helper decides.
 
-One update is a sequence of broadcasts from group rank 0, one per tensor of the `WeightManifest`,
-in its order. On the training side every rank all-gathers each FSDP parameter (a collective of the
-training world) and rank 0 broadcasts it; on the rollout side each rank receives into one buffer at a
-time and hands it straight to vLLM's `reload_weights`. No rank ever holds more than one full tensor
-beside its own weights, and nothing touches the disk.
+One update is a sequence of broadcasts from group rank 0, one per bucket of the `WeightManifest`, in
+its order. A bucket packs consecutive tensors, as raw bytes, into one buffer of at most
+`actor_rollout_ref.rollout.weight_bucket_mb` (a tensor larger than that goes alone, as itself; null: every
+tensor alone), so a model of many small tensors costs a few collectives instead of one per tensor. Both
+sides derive the same buckets from the manifest. On the training side every rank all-gathers each FSDP
+parameter (a collective of the training world) and rank 0 copies it into the bucket, broadcasting it when
+the next tensor would not fit; on the rollout side each rank receives one bucket at a time and hands its
+tensors (views into it) straight to vLLM's `reload_weights`. No rank holds more than one bucket and one
+full tensor beside its own weights, and nothing touches the disk.
 """
 
 from __future__ import annotations
@@ -29,12 +33,53 @@ __all__ = ["StagedWeights", "WeightGroup", "WeightManifest", "receive_weights", 
 SENDER = 0
 
 
+# Offsets of the tensors in a bucket are multiples of this, so that each slice of the byte buffer can be
+# viewed as its own dtype (8 bytes: the widest element of a weight).
+ALIGN = 8
+
+
 @dataclass(frozen=True)
 class WeightManifest:
-    """What one update carries, in order: (HF name, full shape, dtype name) per tensor. Both sides
-    know it before the first update, so the receivers can allocate each buffer."""
+    """What one update carries, in order: (HF name, full shape, dtype name) per tensor, and the bucket size
+    in bytes (None: one tensor per broadcast). Both sides know it before the first update, so the receivers
+    can allocate each buffer."""
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
+    bucket_bytes: int | None = None
+
+    def buckets(self) -> list[list[tuple[int, int]]]:
+        """The broadcasts of one update: per bucket, (entry index, byte offset) of each tensor in it, in the
+        manifest's order. Greedy: a bucket takes the next tensors while they fit; a tensor larger than a
+        bucket is a bucket of its own; a bucket of one tensor is broadcast as that tensor."""
+        buckets: list[list[tuple[int, int]]] = []
+        current: list[tuple[int, int]] = []
+        used = 0
+        for index, (_, shape, dtype) in enumerate(self.entries):
+            size = entry_bytes(shape, dtype)
+            start = -(-used // ALIGN) * ALIGN
+            if self.bucket_bytes is None or not current or start + size > self.bucket_bytes:
+                if current:
+                    buckets.append(current)
+                current, used, start = [], 0, 0
+            current.append((index, start))
+            used = start + size
+        if current:
+            buckets.append(current)
+        return buckets
+
+
+def entry_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel * getattr(torch, dtype).itemsize
+
+
+def bucket_size(bucket: list[tuple[int, int]], manifest: WeightManifest) -> int:
+    """The bytes of a packed bucket's buffer: up to the end of its last tensor."""
+    index, offset = bucket[-1]
+    _, shape, dtype = manifest.entries[index]
+    return offset + entry_bytes(shape, dtype)
 
 
 class WeightGroup:
@@ -83,50 +128,83 @@ class WeightGroup:
         self._group.broadcast([tensor], options).wait()
 
 
-def manifest_of(named_shapes: Iterable[tuple[str, torch.Size, torch.dtype]], dtype: torch.dtype) -> WeightManifest:
+def manifest_of(named_shapes: Iterable[tuple[str, torch.Size, torch.dtype]], dtype: torch.dtype,
+                bucket_mb: float | None = None) -> WeightManifest:
     """Floating-point tensors travel in the rollout's `dtype` (half the bytes for a bf16 engine); other
-    tensors keep theirs."""
+    tensors keep theirs. `bucket_mb`: the bucket size in MiB (None: one tensor per broadcast)."""
     entries = []
     for name, shape, tensor_dtype in named_shapes:
         wire = dtype if tensor_dtype.is_floating_point else tensor_dtype
         entries.append((name, tuple(int(s) for s in shape), str(wire).removeprefix("torch.")))
-    return WeightManifest(tuple(entries))
+    if bucket_mb is not None and not float(bucket_mb) > 0:
+        raise ValueError(f"a weight bucket must be > 0 MiB (or None: one tensor per broadcast), got {bucket_mb}")
+    return WeightManifest(tuple(entries), None if bucket_mb is None else int(float(bucket_mb) * 2**20))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def send_weights(group: WeightGroup | None, manifest: WeightManifest,
-                 named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> int:
-    """Announce policy `version` and stream `named_tensors` (in the manifest's order) to the receivers;
-    returns the bytes sent.
+                 named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> tuple[int, int]:
+    """Announce policy `version` and stream `named_tensors` (in the manifest's order) to the receivers,
+    bucket by bucket; returns (bytes sent, broadcasts).
 
     Every training rank calls this with its gathering iterator; only rank 0 has a `group`: the others
     just take part in the gathers.
     """
     if group is not None:
         group.announce(version)
-    sent = 0
-    expected = iter(manifest.entries)
-    for name, tensor in named_tensors:
-        entry = next(expected, None)
-        if entry is None or entry[0] != name or tuple(tensor.shape) != entry[1]:
-            raise RuntimeError(f"weight stream out of step with its manifest at {name!r} {tuple(tensor.shape)} "
-                               f"(manifest expects {entry})")
+    sent = broadcasts = 0
+    tensors = iter(named_tensors)
+    for bucket in manifest.buckets():
+        packed = None
+        for index, offset in bucket:
+            name, shape, dtype = manifest.entries[index]
+            item = next(tensors, None)
+            if item is None:
+                raise RuntimeError("the model yielded fewer tensors than its weight manifest lists")
+            if item[0] != name or tuple(item[1].shape) != shape:
+                raise RuntimeError(f"weight stream out of step with its manifest at {item[0]!r} "
+                                   f"{tuple(item[1].shape)} (manifest expects {manifest.entries[index]})")
+            if group is None:
+                continue
+            wire = item[1].to(getattr(torch, dtype)).contiguous()
+            if len(bucket) == 1:  # alone: the tensor itself, no copy
+                packed = wire
+                break
+            if packed is None:
+                packed = torch.empty(bucket_size(bucket, manifest), dtype=torch.uint8, device=wire.device)
+            chunk = as_bytes(wire)
+            packed[offset:offset + chunk.numel()].copy_(chunk)
         if group is not None:
-            wire = tensor.to(getattr(torch, entry[2])).contiguous()
-            group.broadcast(wire)
-            sent += wire.numel() * wire.element_size()
-    if next(expected, None) is not None:
-        raise RuntimeError("the model yielded fewer tensors than its weight manifest lists")
-    return sent
+            group.broadcast(packed)
+            sent += packed.numel() * packed.element_size()
+            broadcasts += 1
+    if next(tensors, None) is not None:
+        raise RuntimeError("the model yielded more tensors than its weight manifest lists")
+    return sent, broadcasts
 
 
 def receive_weights(group: WeightGroup, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each tensor of an update, received when the consumer asks for it. A consumer
-    that stops early must `drain` the rest (see `StreamedWeights`), or the sender waits forever."""
+    """(name, tensor) for each tensor of an update, received a bucket at a time when the consumer asks for
+    the bucket's first tensor; the tensors of a bucket are views into its buffer. A consumer that stops
+    early must `drain` the rest (see `StreamedWeights`), or the sender waits forever."""
     target = device.get_device()
-    for name, shape, dtype in manifest.entries:
-        buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=target)
-        group.broadcast(buffer)
-        yield name, buffer
+    for bucket in manifest.buckets():
+        if len(bucket) == 1:
+            name, shape, dtype = manifest.entries[bucket[0][0]]
+            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=target)
+            group.broadcast(buffer)
+            yield name, buffer
+            continue
+        packed = torch.empty(bucket_size(bucket, manifest), dtype=torch.uint8, device=target)
+        group.broadcast(packed)
+        for index, offset in bucket:
+            name, shape, dtype = manifest.entries[index]
+            size = entry_bytes(shape, dtype)
+            yield name, packed[offset:offset + size].view(getattr(torch, dtype)).view(shape)
 
 
 class StreamedWeights:

@@ -19,6 +19,11 @@ ASYNC = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "algorithm.rollo
          "trainer.test_freq=2", f"trainer.total_training_steps={STEPS}")
 
 
+# IcePop's token band and a sequence band on top of the truncated weights (algorithm.rollout_mask)
+MASK = ("algorithm.rollout_mask.token_low=0.5", "algorithm.rollout_mask.token_high=2.0",
+        "algorithm.rollout_mask.sequence_low=0.8", "algorithm.rollout_mask.sequence_high=1.25")
+
+
 def trained_steps(records: list[dict], k: int) -> list[dict]:
     """The training steps, after checking the bound on each: no token more than k versions old, none dropped."""
     steps = [r for r in records if "actor/pg_loss" in r]
@@ -36,7 +41,7 @@ def prompts_of_step(dump_dir, step: int) -> list[str]:
 @pytest.fixture(scope="module")
 def async2_run(ray_session, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async2")
-    return run_dir, run_builtin(run_dir, *ASYNC, "trainer.async_steps=2", "trainer.save_freq=4",
+    return run_dir, run_builtin(run_dir, *ASYNC, *MASK, "trainer.async_steps=2", "trainer.save_freq=4",
                                 f"trainer.rollout_data_dir={run_dir / 'dump'}")
 
 
@@ -46,6 +51,12 @@ def test_two_steps_off_learns_within_the_bound(async2_run):
     steps = trained_steps(records, k=2)
     # the pipeline fills: step 1 is sampled by the policy it trains, step 2 one update behind, then two
     assert [r["training/staleness/max"] for r in steps] == [0, 1] + [2] * (STEPS - 2)
+    # the mismatch mask ran beside the truncated weights on every step: nothing masked on step 1, sampled by
+    # the policy it trains (fp32: ratios 1 to 1e-4), tokens masked once the sampler is two updates behind
+    masked = [(r["rollout_mask/masked_frac"], r["rollout_mask/token_masked_frac"], r["rollout_mask/seq_masked_frac"],
+               r["rollout_is/mean"]) for r in steps]
+    assert masked[0][0] == 0.0 and max(m[0] for m in masked[2:]) > 0, masked
+    assert all(1 >= m[0] >= m[1] for m in masked), masked
     # the engine generated while the trainer trained: after the warm-up the trainer waits for little of it
     later = steps[3:]
     waited = sorted(r["timing_s/gen"] for r in later)[len(later) // 2]
@@ -60,7 +71,7 @@ def test_a_run_resumed_with_batches_in_flight_draws_them_again_within_the_bound(
     starts with placeholder weights: step 5, sampled and trained by policy 4, shows in fp32 that the
     restored weights were streamed to it before it sampled."""
     run_dir, first = async2_run
-    resumed = run_builtin(run_dir, *ASYNC, "trainer.async_steps=2", "trainer.resume_mode=resume_path",
+    resumed = run_builtin(run_dir, *ASYNC, *MASK, "trainer.async_steps=2", "trainer.resume_mode=resume_path",
                           f"trainer.resume_from_path={run_dir / 'checkpoints' / 'hflow' / 'default' / 'global_step_4'}",
                           f"trainer.rollout_data_dir={run_dir / 'dump_resumed'}")[len(first):]
     steps = trained_steps(resumed, k=2)

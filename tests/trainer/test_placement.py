@@ -41,7 +41,25 @@ SPLIT = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "trainer.test_fr
 @pytest.fixture(scope="module")
 def split_run(ray_session, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("split")
-    return run_dir, run_builtin(run_dir, *SPLIT, "trainer.total_training_steps=4")
+    # 0.1 MiB buckets: the built-in model's 1.8 MB travel as packed buckets and as tensors too large for one
+    return run_dir, run_builtin(run_dir, *SPLIT, "trainer.total_training_steps=4",
+                                f"actor_rollout_ref.rollout.weight_bucket_mb={BUCKET_MB}")
+
+
+BUCKET_MB = 0.1
+
+
+def planned_broadcasts(bucket_mb: float) -> tuple[int, int]:
+    """(tensors, broadcasts) of one update of the built-in model in buckets of `bucket_mb`."""
+    import torch
+
+    from hflow.tasks.builtin_task import ensure_builtin_assets
+    from hflow.workers.fsdp import full_param_shapes, load_causal_lm
+    from hflow.workers.weight_sync import manifest_of
+
+    manifest = manifest_of(full_param_shapes(load_causal_lm(ensure_builtin_assets().model_path)), torch.float32,
+                           bucket_mb)
+    return len(manifest.entries), len(manifest.buckets())
 
 
 def test_split_placement_learns_and_the_engine_matches_the_trainer_after_every_stream(split_run):
@@ -55,3 +73,7 @@ def test_split_placement_learns_and_the_engine_matches_the_trainer_after_every_s
         assert step["training/rollout_log_probs_diff_max"] < 1e-4, step
     streamed = [r for r in steps if "timing_s/weight_stream" in r]
     assert len(streamed) >= 3 and all(r["perf/weight_stream_gb"] > 0 for r in streamed)
+    # one collective per bucket, fewer than one per tensor; the log-prob check above shows they arrived whole
+    tensors, broadcasts = planned_broadcasts(BUCKET_MB)
+    assert 1 < broadcasts < tensors, (broadcasts, tensors)
+    assert all(r["perf/weight_stream_collectives"] == broadcasts for r in streamed), streamed

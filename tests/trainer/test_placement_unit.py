@@ -190,7 +190,7 @@ def _sources(log: list, seen_meta: list):
     config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray"}, "reward_model": {"enable": False},
                                "actor_rollout_ref": {"rollout": {"admission": "static"}}})
     generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
-    actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9}])
+    actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9, "collectives": 3.0}])
     colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))
     split = SplitRolloutSource(config, generator, Loader([rows] * 8), actor)
     return colocated, split
@@ -212,7 +212,8 @@ def test_the_split_source_streams_each_new_version_once_and_the_colocated_source
     log.clear(), seen_meta.clear()
     _, metrics = split.next({}, steps_after=5)
     assert log == ["send_weights", "receive_weights", "generate_sequences"]
-    assert metrics["perf/weight_stream_gb"] == 2.0 and "timing_s/weight_stream" in metrics
+    assert metrics["perf/weight_stream_gb"] == 2.0 and metrics["perf/weight_stream_collectives"] == 3.0
+    assert "timing_s/weight_stream" in metrics
     _, metrics = split.next({}, steps_after=5)  # the engines hold this version already
     assert log[3:] == ["generate_sequences"] and "perf/weight_stream_gb" not in metrics
     split.weights_updated()

@@ -200,6 +200,7 @@ RANGES = [
     (["actor_rollout_ref.rollout.top_k=-5"], ["actor_rollout_ref.rollout.top_k", "-1 (off)"]),
     (["actor_rollout_ref.rollout.val_kwargs.temperature=-1"], ["actor_rollout_ref.rollout.val_kwargs.temperature"]),
     (["actor_rollout_ref.rollout.kv_cache_memory_bytes=0"], ["actor_rollout_ref.rollout.kv_cache_memory_bytes"]),
+    (["actor_rollout_ref.rollout.weight_bucket_mb=0"], ["actor_rollout_ref.rollout.weight_bucket_mb", "> 0 MiB"]),
     # the actor's and critic's losses, the optimizer
     (["actor_rollout_ref.actor.clip_ratio=0"], ["actor_rollout_ref.actor.clip_ratio", "> 0"]),
     (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], ["actor_rollout_ref.actor.clip_ratio_high"]),
@@ -212,6 +213,8 @@ RANGES = [
     # the algorithm
     (["algorithm.gamma=1.5"], ["algorithm.gamma", "[0, 1]"]),
     (["algorithm.lam=-0.5"], ["algorithm.lam"]),
+    (["algorithm.rollout_mask.token_low=2", "algorithm.rollout_mask.token_high=0.5"],
+     ["algorithm.rollout_mask.token_low=2 must be < algorithm.rollout_mask.token_high=0.5"]),
     (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=-1"], ["algorithm.kl_ctrl.kl_coef"]),
     (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
      ["algorithm.kl_ctrl.horizon"]),
@@ -252,7 +255,8 @@ def test_nulls_and_edges_of_the_ranges_pass(files):
         "trainer.health.grad_norm_zscore=null", "actor_rollout_ref.rollout.multi_turn.enable=true",
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=null", "custom_reward_function.timeout_s=null",
         "custom_reward_function.max_retries=0", "actor_rollout_ref.rollout.top_k=0", "algorithm.gamma=0",
-        "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0"))
+        "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0",
+        "actor_rollout_ref.rollout.weight_bucket_mb=null", "algorithm.rollout_mask.token_high=1.5"))
 
 
 # ---- all errors of one command together (issue 39, item 3) -------------------------------------------------

@@ -1,6 +1,7 @@
 """The weight stream between the pools (`trainer.placement=split`): a gloo group of its own, outside the
 default process group, carrying each tensor of the manifest in order, in the rollout's dtype."""
 
+import dataclasses
 import threading
 import time
 
@@ -14,26 +15,45 @@ WEIGHTS = {
     "model.embed_tokens.weight": torch.randn(16, 8),
     "model.layers.0.mlp.up_proj.weight": torch.randn(32, 8),
     "model.norm.weight": torch.rand(8),
+    "model.odd": torch.rand(3),  # 12 bytes (6 in bf16): the next tensor in a bucket starts at an aligned offset
     "model.step": torch.tensor([7], dtype=torch.int64),  # non-float tensors keep their dtype
 }
 
 
-def _run_group(receivers: int, wire_dtype: torch.dtype, sender_items, consume_all: bool = True):
-    """One sender thread and `receivers` receiver threads; returns what each receiver got."""
-    manifest = manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], wire_dtype)
+def counted(group: WeightGroup, counts: list[int]) -> WeightGroup:
+    """`group`, counting its broadcasts (the collectives of the stream) into `counts`."""
+    broadcast = group.broadcast
+
+    def counting(tensor):
+        counts.append(tensor.numel() * tensor.element_size())
+        broadcast(tensor)
+
+    group.broadcast = counting
+    return group
+
+
+def _run_group(receivers: int, wire_dtype: torch.dtype, sender_items, consume_all: bool = True,
+               bucket_bytes: int | None = None, collectives: list | None = None):
+    """One sender thread and `receivers` receiver threads; returns what each receiver got. `collectives`
+    collects the sender's return and the broadcasts each receiver took part in."""
+    manifest = dataclasses.replace(manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], wire_dtype),
+                                   bucket_bytes=bucket_bytes)
     port, world = get_free_port(), 1 + receivers
     received, errors = [None] * receivers, []
+    collectives = [] if collectives is None else collectives
+    collectives.extend([None] + [[] for _ in range(receivers)])
 
     def sender():
         try:
             group = WeightGroup("127.0.0.1", port, rank=0, world_size=world, timeout_s=30)
-            send_weights(group, manifest, sender_items)
+            collectives[0] = send_weights(group, manifest, sender_items)
         except Exception as err:  # noqa: BLE001 - surfaced below
             errors.append(err)
 
     def receiver(index):
         try:
-            group = WeightGroup("127.0.0.1", port, rank=1 + index, world_size=world, timeout_s=30)
+            group = counted(WeightGroup("127.0.0.1", port, rank=1 + index, world_size=world, timeout_s=30),
+                            collectives[1 + index])
             stream = StreamedWeights(group, manifest)
             got = {}
             for name, tensor in stream:
@@ -61,6 +81,49 @@ def test_every_receiver_gets_every_tensor_exactly_in_the_rollout_dtype():
         assert list(got) == list(WEIGHTS)
         for name, tensor in WEIGHTS.items():
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+# Bytes of WEIGHTS in fp32: embed 512, up_proj 1024, norm 32, odd 12, step 8 (int64); the fp32 plan and
+# the number of broadcasts with a bf16 wire (floats at half the bytes).
+BUCKETS = [
+    (None, [[(0, 0)], [(1, 0)], [(2, 0)], [(3, 0)], [(4, 0)]], 5),  # today's stream: one tensor per broadcast
+    # 600 B: the embedding fills a bucket; up_proj (1024 B) goes alone; the small three share one, the int64
+    # at the 8-byte boundary after the 12 bytes of `odd`. bf16: embed (256) | up (512), norm, odd, step
+    (600, [[(0, 0)], [(1, 0)], [(2, 0), (3, 32), (4, 48)]], 2),
+    (2000, [[(0, 0), (1, 512), (2, 1536), (3, 1568), (4, 1584)]], 1),  # everything in one
+]
+
+
+@pytest.mark.parametrize("bucket_bytes,plan,_", BUCKETS)
+def test_buckets_are_planned_greedily_in_manifest_order(bucket_bytes, plan, _):
+    manifest = manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], torch.float32)
+    assert dataclasses.replace(manifest, bucket_bytes=bucket_bytes).buckets() == plan
+
+
+@pytest.mark.parametrize("wire_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bucket_bytes,plan,bf16_broadcasts", BUCKETS)
+def test_a_bucketed_stream_arrives_bitwise_equal_in_one_collective_per_bucket(bucket_bytes, plan, bf16_broadcasts,
+                                                                             wire_dtype):
+    expected = len(plan) if wire_dtype == torch.float32 else bf16_broadcasts
+    collectives = []
+    _, received, errors = _run_group(2, wire_dtype, list(WEIGHTS.items()), bucket_bytes=bucket_bytes,
+                                     collectives=collectives)
+    assert not errors, errors
+    sent_bytes, broadcasts = collectives[0]
+    assert broadcasts == expected
+    for index, got in enumerate(received):
+        assert len(collectives[1 + index]) == expected  # each receiver took part in exactly those broadcasts
+        assert list(got) == list(WEIGHTS)
+        for name, tensor in WEIGHTS.items():
+            wire = tensor.to(wire_dtype) if tensor.is_floating_point() else tensor
+            assert got[name].dtype == wire.dtype and got[name].shape == wire.shape, name
+            assert torch.equal(got[name].view(torch.uint8), wire.view(torch.uint8)), name  # bitwise
+    assert sent_bytes == sum(collectives[1])
+
+
+def test_a_bucket_size_must_be_positive():
+    with pytest.raises(ValueError, match="> 0 MiB"):
+        manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], torch.float32, bucket_mb=0)
 
 
 def test_floating_tensors_travel_in_bf16_for_a_bf16_engine():

@@ -27,6 +27,7 @@ from hflow.protocol import DataProto
 from hflow.single_controller.base import ClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hflow.algorithms import core_algos
 from hflow.algorithms.distill import mix_distillation_reward
+from hflow.algorithms.config import rollout_mask_bands, rollout_mask_on
 from hflow.reward import dynamic_sampling as dapo
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.batch_scorer import BatchScorer, response_mask as compute_response_mask
@@ -307,10 +308,13 @@ class RayPPOTrainer:
             batch = batch.union(old_log_prob)
             if "rollout_log_probs" in batch.batch:
                 metrics.update(_rollout_vs_training_metrics(batch))
-            if algo.get("rollout_is") is not None:  # correct for the sampler's probabilities (preflight: present here)
-                batch.batch["rollout_is_weights"], is_metrics = core_algos.compute_rollout_is_weights(
+            if algo.get("rollout_is") is not None or rollout_mask_on(algo):
+                # correct for the sampler's probabilities (preflight: present here): truncated weights x mask
+                token_band, sequence_band = rollout_mask_bands(algo)
+                batch.batch["rollout_is_weights"], is_metrics = core_algos.compute_rollout_correction(
                     batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"],
-                    level=algo.rollout_is, threshold=float(algo.rollout_is_threshold))
+                    is_level=algo.rollout_is, is_threshold=float(algo.rollout_is_threshold),
+                    token_band=token_band, sequence_band=sequence_band)
                 metrics.update(is_metrics)
 
         # 5. reference and teacher log-probs, values (the teacher scores the tokens as sampled, whatever

@@ -320,7 +320,8 @@ class SplitRolloutSource(RolloutSource):
         sent = send.result()[0]
         self.engine_version = self.version
         self._stream_metrics = {"timing_s/weight_stream": time.perf_counter() - started,
-                                "perf/weight_stream_gb": sent["bytes"] / 1e9}
+                                "perf/weight_stream_gb": sent["bytes"] / 1e9,
+                                "perf/weight_stream_collectives": sent["collectives"]}
 
     def _generation_meta(self, gen_batch: DataProto) -> None:
         gen_batch.meta_info["min_weights_version"] = self.version  # the pool waits for this version's weights

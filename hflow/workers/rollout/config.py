@@ -67,6 +67,7 @@ class RolloutConfig:
     calculate_log_probs: bool = True
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
     admission: str = "static"  # static: a fixed shard per engine; continuous: rows routed to the least-loaded engine
+    weight_bucket_mb: Optional[float] = 16.0  # split: the weight stream packs tensors into broadcasts of this many MiB; null = one per tensor
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
@@ -144,3 +145,10 @@ def check_admission(rollout: Any) -> None:
     if rollout.admission == "continuous" and (rollout.name != "vllm" or int(rollout.tensor_model_parallel_size) != 1):
         raise ConfigError(f"{PREFIX}.admission=continuous needs rollout.name=vllm and tensor_model_parallel_size=1 "
                           f"(got {rollout.name}, {rollout.tensor_model_parallel_size}); set admission=static")
+
+
+def check_weight_bucket(rollout: Any) -> None:
+    """`rollout.weight_bucket_mb`: a size > 0 in MiB, or null (one broadcast per tensor)."""
+    if rollout.weight_bucket_mb is not None and not float(rollout.weight_bucket_mb) > 0:
+        raise ConfigError(f"{PREFIX}.weight_bucket_mb must be > 0 MiB (the weight stream's bucket; a tensor larger "
+                          f"than it goes alone) or null (one broadcast per tensor), got {rollout.weight_bucket_mb}")
