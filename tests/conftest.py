@@ -52,4 +52,4 @@ def fsdp_on_one_rank(monkeypatch):
     tests of FSDP2's own behaviour (resharding, gathering) in a worker built on `world_of_one`."""
     from hflow.workers.fsdp import sharding
 
-    monkeypatch.setattr(sharding, "nothing_for_fsdp_to_do", lambda *args, **kwargs: False)
+    monkeypatch.setattr(sharding, "fsdp_needed", lambda *args, **kwargs: True)

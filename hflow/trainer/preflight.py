@@ -56,6 +56,7 @@ from hflow.utils.dataset.config import check_data, data_files
 from hflow.workers.config import (
     check_actor_losses,
     check_actor_ranges,
+    check_model_kernels,
     check_ema,
     check_kernel_options,
     check_lora,
@@ -110,6 +111,7 @@ def preflight_check(config: DictConfig) -> None:
         model_ok = run(check_tokenizer_path, arr.model, "actor_rollout_ref.model")
     run(check_lora, arr, "actor_rollout_ref")
     run(check_kernel_options, arr.model, "actor_rollout_ref.model")
+    run(check_model_kernels, arr.model, "actor_rollout_ref.model")
     run(check_health_config, config)
     run(check_reward_function, config)
     run(check_custom_reward_settings, config.custom_reward_function)

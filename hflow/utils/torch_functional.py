@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from hflow.utils import device
+
 __all__ = [
     "compute_position_id_with_mask",
     "entropy_from_logits",
@@ -94,13 +96,18 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 # --------------------------------------------------------------------------------------------------
 
 
-# Rows are processed in blocks of about this many logits (16 MiB of fp32), which bounds the
-# temporaries to one block instead of the whole (N, V) tensor. On CPU, blocks of 32 MiB and more
-# measured up to 3x slower: glibc maps buffers that large afresh (and page-faults them) every time.
-_CHUNK_ELEMENTS = 1 << 22
+# Rows are processed in blocks of about `block_elements` logits, which bounds the temporaries to one block
+# instead of the whole (N, V) tensor; by default the device's size (`device.logit_block_elements`: 16 MiB of
+# fp32 on CPU, 1 GiB on a GPU). A test or bench may pin it here (None: the device's).
+_CHUNK_ELEMENTS: int | None = None
 
 
-def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+def block_elements_for(setting: int | None) -> int:
+    """Elements per block: `setting`, else the module's pin, else this device's size."""
+    return int(setting or _CHUNK_ELEMENTS or device.logit_block_elements())
+
+
+def _row_blocks(*tensors: torch.Tensor, block: int) -> Iterator[tuple[torch.Tensor, ...]]:
     """Yield aligned 2-D views `(rows, last_dim)` of tensors that share their leading shape.
 
     Views, never copies: when the leading dims cannot be flattened into one (e.g. logits sliced as
@@ -110,9 +117,9 @@ def _row_blocks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
         flats = [t.view(-1, t.shape[-1]) for t in tensors]
     except RuntimeError:  # leading dims not mergeable without a copy
         for i in range(tensors[0].shape[0]):
-            yield from _row_blocks(*(t[i] for t in tensors))
+            yield from _row_blocks(*(t[i] for t in tensors), block=block)
         return
-    rows_per_block = max(1, _CHUNK_ELEMENTS // max(1, tensors[0].shape[-1]))
+    rows_per_block = max(1, block // max(1, tensors[0].shape[-1]))
     for start in range(0, flats[0].shape[0], rows_per_block):
         yield tuple(f[start : start + rows_per_block] for f in flats)
 
@@ -127,12 +134,13 @@ class _LogProbsFromLogits(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, block: int) -> torch.Tensor:  # type: ignore[override]
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         labels = labels.contiguous().unsqueeze(-1)
         out = torch.empty(labels.shape, dtype=compute_dtype, device=logits.device)
         lse = torch.empty_like(out)
-        for z, y, o, s in _row_blocks(logits, labels, out, lse):
+        ctx.block = block
+        for z, y, o, s in _row_blocks(logits, labels, out, lse, block=block):
             z = z.to(compute_dtype)
             o.copy_(torch.log_softmax(z, dim=-1).gather(-1, y))  # fused kernel, one block-sized temporary
             s.copy_(z.gather(-1, y) - o)  # logsumexp(z) = z_y - log softmax(z)_y
@@ -141,32 +149,33 @@ class _LogProbsFromLogits(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         logits, labels, lse = ctx.saved_tensors
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_out = grad_out.contiguous().unsqueeze(-1)
-        for z, y, s, g, gz in _row_blocks(logits, labels, lse, grad_out, grad_logits):
+        for z, y, s, g, gz in _row_blocks(logits, labels, lse, grad_out, grad_logits, block=ctx.block):
             # computed in place in the output block (in an fp32 block for half-precision logits)
             block = gz if gz.dtype == s.dtype else torch.empty(gz.shape, dtype=s.dtype, device=gz.device)
             torch.sub(z, s, out=block).exp_().mul_(-g)  # -softmax(z) * g
             block.scatter_add_(-1, y, g)  # + onehot(y) * g
             if block is not gz:
                 gz.copy_(block)
-        return grad_logits, None
+        return grad_logits, None, None
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, block_elements: int | None = None) -> torch.Tensor:
     """Log-probability of `labels` under softmax(`logits`): shape `labels.shape`, dtype at least fp32.
 
     Computed block of rows by block of rows (in fp32 for half-precision inputs) by a custom autograd
     function that keeps no (N, V) log-softmax for backward, only the logits and each row's
     logsumexp; backward builds the gradient block by block in place. Forward + backward need about
     one logits-sized buffer beyond the logits (the gradient), against about three for
-    `log_softmax` + `gather`; see `bench/logprobs.py`.
+    `log_softmax` + `gather`; see `bench/logprobs.py`. Blocks of about `block_elements` logits
+    (`block_elements_for`).
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
-    return _LogProbsFromLogits.apply(logits, labels)
+    return _LogProbsFromLogits.apply(logits, labels, block_elements_for(block_elements))
 
 
 class _EntropyFromLogits(torch.autograd.Function):
@@ -178,11 +187,12 @@ class _EntropyFromLogits(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, block: int) -> torch.Tensor:  # type: ignore[override]
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         out = torch.empty((*logits.shape[:-1], 1), dtype=compute_dtype, device=logits.device)
         lse, mean_z = torch.empty_like(out), torch.empty_like(out)
-        for z, h, s, m in _row_blocks(logits, out, lse, mean_z):
+        ctx.block = block
+        for z, h, s, m in _row_blocks(logits, out, lse, mean_z, block=block):
             z = z.to(compute_dtype)
             s.copy_(torch.logsumexp(z, dim=-1, keepdim=True))
             log_p = z - s
@@ -193,19 +203,19 @@ class _EntropyFromLogits(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         logits, lse, mean_z = ctx.saved_tensors
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_out = grad_out.contiguous().unsqueeze(-1)
-        for z, s, m, g, gz in _row_blocks(logits, lse, mean_z, grad_out, grad_logits):
+        for z, s, m, g, gz in _row_blocks(logits, lse, mean_z, grad_out, grad_logits, block=ctx.block):
             # s, m are fp32 (or fp64): the subtractions promote half-precision logits
             block = torch.sub(z, s).exp_()  # softmax(z)
             block.mul_(torch.sub(m, z)).mul_(g)  # * (E_p[z] - z) * g
             gz.copy_(block)
-        return grad_logits
+        return grad_logits, None
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, block_elements: int | None = None) -> torch.Tensor:
     """Entropy of softmax(`logits`) along the last dim: shape `logits.shape[:-1]`, dtype at least fp32.
 
     Computed block of rows by block of rows (in fp32 for half-precision logits), like
@@ -213,7 +223,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     (at 32 x 1024 positions and a 152k vocabulary each of those is ~10 GB in bf16), and backward keeps
     only the logits and two floats per row.
     """
-    return _EntropyFromLogits.apply(logits)
+    return _EntropyFromLogits.apply(logits, block_elements_for(block_elements))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hflow.algorithms import core_algos
 from hflow.algorithms.config import KL_TYPES, LOSS_AGG_MODES
+from hflow.utils import device
 from hflow.config_schema import (
     WORLD_KEYS,
     ConfigError,
@@ -68,6 +69,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     num_cycles: float = 0.5
     total_training_steps: int = -1  # filled in by the trainer
+    kernel: str = "auto"  # AdamW: auto (fused on GPU, foreach elsewhere) | fused | foreach
 
 
 @dataclass
@@ -77,6 +79,7 @@ class FSDPConfig:
     offload_policy: bool = False
     reshard_after_forward: bool = True
     gather_once_per_pass: Optional[bool] = None  # None = by model size and device memory
+    gather_once_per_update: Optional[bool] = None  # None = by model size and device memory
     model_dtype: Optional[str] = None
     mixed_precision: Optional[dict[str, Any]] = None
 
@@ -102,6 +105,7 @@ def check_optim(optim: Any, prefix: str) -> None:
             if not 0.0 <= float(optim[key]) <= 1.0:
                 raise ConfigError(f"{prefix}.{key} must be in [0, 1], got {optim[key]}")
     errors.run(check_non_negative, optim.num_cycles, f"{prefix}.num_cycles", "cosine periods over the run")
+    errors.run(check_choice, optim.kernel, device.OPTIMIZER_KERNELS, f"{prefix}.kernel")
     errors.raise_any()
 
 
@@ -192,6 +196,8 @@ class ModelConfig:
     lora_rank: int = 0  # LoRA (PEFT) adapters of this rank on the actor; 0 = train every weight
     lora_alpha: float = 16.0  # LoRA scaling is lora_alpha / lora_rank
     target_modules: Any = "all-linear"  # the linears that get adapters: "all-linear" or a list of module names
+    fused_lm_head: bool = False  # actor/ref: LM head + log-prob + entropy in one blocked pass, no full logits
+    logit_block_elements: Optional[int] = None  # logits per block of the log-prob/entropy passes; None = device's
 
 
 @dataclass
@@ -266,6 +272,12 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+def check_model_kernels(model: Any, prefix: str) -> None:
+    """`logit_block_elements`: null or a positive count of logits."""
+    if model.get("logit_block_elements") is not None:
+        check_positive(model.logit_block_elements, f"{prefix}.logit_block_elements")
 
 
 def check_actor_ranges(actor: Any) -> None:
@@ -451,6 +463,9 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
         check_offload(cfg.actor.fsdp_config, f"{prefix}.actor.fsdp_config")
     # The model-level flag, where DataParallelPPOActor reads it (the actor and the reference share it).
     cfg.actor.use_remove_padding = cfg.ref.use_remove_padding = bool(cfg.model.use_remove_padding)
+    check_model_kernels(cfg.model, f"{prefix}.model")
+    cfg.actor.fused_lm_head = cfg.ref.fused_lm_head = bool(cfg.model.fused_lm_head)
+    cfg.actor.logit_block_elements = cfg.ref.logit_block_elements = cfg.model.logit_block_elements
     if role in ("ref", "actor_rollout_ref"):
         check_offload(cfg.ref.fsdp_config, f"{prefix}.ref.fsdp_config")
     return cfg

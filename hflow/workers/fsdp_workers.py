@@ -114,6 +114,7 @@ class FSDPModelHolder:
                 mixed_precision=fsdp_config.get("mixed_precision"),  # the ref's fsdp_config has none: the default
                 reshard_after_forward=fsdp_config.reshard_after_forward,
                 gather_once_per_pass=fsdp_config.get("gather_once_per_pass"),  # null: by size and device memory
+                gather_once_per_update=fsdp_config.get("gather_once_per_update"),  # null: by size and device memory
                 cpu_offload=cpu_offload,
                 fp32_modules=fp32_modules,
             )

@@ -91,7 +91,12 @@ class StageWorker(Worker, FSDPModelHolder):
         self._onload(self.module, self.optimizer, self._offload_param, self._offload_optim)
         self.module.train()
         started = time.perf_counter()
-        metrics = self._accumulate_gradients(data)
+        from hflow.workers.fsdp import update_pass
+
+        # a one-rank mixed-precision model computes with bf16 copies cast once for the step (every backward
+        # reduces, as before: the loops below do not say which is the last)
+        with update_pass(self.module):
+            metrics = self._accumulate_gradients(data)
         self._optimizer_step(metrics)
         device.synchronize()
         metrics["timing_s/train_step_worker"] = [time.perf_counter() - started]

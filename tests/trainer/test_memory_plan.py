@@ -66,6 +66,11 @@ def test_the_constants_memory_plan_repeats_are_the_modules_own():
     for numel, size, device in ((7_000_000_000, 2, 80 * GIB), (14_000_000_000, 2, 80 * GIB), (10**6, 4, 10**6)):
         assert memory_facts.gather_once(None, numel, size, "cuda", device) == fsdp.gather_once_fits(numel, size, device, True)
     assert memory_facts.gather_once(None, 10**12, 4, "cpu", 1) and not memory_facts.gather_once(False, 1, 4, "cpu", 1)
+    for numel, device in ((1_500_000_000, 80 * GIB), (3_000_000_000, 80 * GIB), (7_000_000_000, 80 * GIB)):
+        assert (memory_facts.gather_once_update(None, numel, 2, 4, "cuda", device)
+                == fsdp.update_gather_fits(numel, 2, 4, device, True))
+    assert memory_facts.gather_once_update(None, 1_500_000_000, 2, 4, "cuda", 80 * GIB)
+    assert not memory_facts.gather_once_update(None, 7_000_000_000, 2, 4, "cuda", 80 * GIB)
 
 
 def test_sharded_state_is_divided_by_the_world_size():

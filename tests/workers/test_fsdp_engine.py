@@ -200,9 +200,24 @@ def test_fsdp2_stays_wherever_it_shards_casts_or_offloads(model_dir: Path, monke
     assert fsdp.nothing_for_fsdp_to_do(model, _Mesh(1), fp32, cpu_offload=False)
 
 
-def test_one_rank_that_casts_is_still_wrapped(model_dir: Path, mesh):
+def test_one_rank_that_only_casts_is_left_plain_with_its_compute_dtype(model_dir: Path, mesh, monkeypatch):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     model = fsdp.apply_fsdp2(load_causal_lm(str(model_dir)), mesh, mixed_precision={"param_dtype": "bf16"})
-    assert isinstance(model, FSDPModule)
+    assert not isinstance(model, FSDPModule)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters
+    with no_grad_pass(model):
+        assert model(**inputs()).logits.dtype == torch.bfloat16  # computed with the cast copies
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # what still needs FSDP2 on one rank: host shards, cast outputs, a bf16 head computed in fp32
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert not fsdp.fsdp_needed(model, _Mesh(1), bf16)
+    assert fsdp.fsdp_needed(model, _Mesh(2), bf16)
+    assert fsdp.fsdp_needed(model, _Mesh(1), MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    model_bf16 = load_causal_lm(str(model_dir), dtype=torch.bfloat16)
+    assert fsdp.fsdp_needed(model_bf16, _Mesh(1), MixedPrecisionPolicy(), fp32_modules=[model_bf16.lm_head])
+    monkeypatch.setattr(device, "is_cuda", lambda: True)
+    assert fsdp.fsdp_needed(model, _Mesh(1), bf16, cpu_offload=True)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -230,14 +230,19 @@ def test_critic_values_are_fp32_under_bf16_mixed_precision(model_path, world_of_
     worker.init_model()
     batch = make_batch(4)
     values = worker.compute_values(batch).batch["values"]
-    assert all(isinstance(p, DTensor) for p in worker.critic_module.parameters())  # root resharded
+    # one rank: a plain module whose fp32 masters stay fp32 (bf16 compute copies only inside each pass)
+    assert all(not isinstance(p, DTensor) and p.dtype == torch.float32 for p in worker.critic_module.parameters())
     assert values.dtype == torch.float32
     # A head computed in bf16 rounds every value to bf16's 8-bit mantissa; the fp32 head does not.
     assert not torch.equal(values, values.bfloat16().float())
 
     # The loss sees the same fp32 values (the update's forward, with gradients).
     worker.critic.critic_module.train()
-    vpreds = worker.critic._forward_micro_batch(batch.batch.to(values.device))
+    with fsdp.update_pass(worker.critic_module):
+        vpreds = worker.critic._forward_micro_batch(batch.batch.to(values.device))
+        # the body computes with bf16 copies, the value head with its fp32 weights
+        assert worker.critic_module.score.weight.dtype == torch.float32
+        assert worker.critic_module.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert vpreds.dtype == torch.float32 and vpreds.requires_grad
     assert not torch.equal(vpreds.detach(), vpreds.detach().bfloat16().float())
     torch.testing.assert_close(vpreds.detach(), values, atol=0, rtol=0)

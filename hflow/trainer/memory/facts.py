@@ -19,6 +19,8 @@ GIB = 2**30
 _CACHE_VERSION = "1"
 # `hflow.workers.fsdp.GATHER_ONCE_MAX_FRACTION` (that package imports transformers)
 GATHER_ONCE_MAX_FRACTION = 0.25
+# `hflow.workers.fsdp.UPDATE_GATHER_MAX_FRACTION`
+UPDATE_GATHER_MAX_FRACTION = 0.25
 _TRACES: dict[str, dict[str, int]] = {}  # this process's traces, by key
 
 
@@ -40,6 +42,7 @@ class Role:
     optimizer_offloaded: bool
     packed: bool
     lora: tuple | None = None
+    gather_once_update: bool = False  # an update keeps every unit gathered (`gather_once_per_update`)
 
 
 def dtype_bytes(name: str) -> int:
@@ -105,6 +108,14 @@ def gather_once(setting, numel: int, param_bytes: int, target: str, device_bytes
     if setting is not None:
         return bool(setting)
     return target != "cuda" or numel * param_bytes <= GATHER_ONCE_MAX_FRACTION * device_bytes
+
+
+def gather_once_update(setting, numel: int, param_bytes: int, grad_bytes: int, target: str,
+                       device_bytes: float) -> bool:
+    """`gather_once_per_update`; null as `fsdp.update_gather_fits` decides it (repeated here, as above)."""
+    if setting is not None:
+        return bool(setting)
+    return target != "cuda" or numel * (param_bytes + grad_bytes) <= UPDATE_GATHER_MAX_FRACTION * device_bytes
 
 
 def default_device_bytes(config: DictConfig, target: str) -> float:

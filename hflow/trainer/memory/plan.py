@@ -47,6 +47,7 @@ from hflow.trainer.memory.facts import (
     default_device_bytes,
     dtype_bytes,
     gather_once,
+    gather_once_update,
     mixed_dtypes,
     model_config_text,
     model_numel,
@@ -183,7 +184,10 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
                      bool(fsdp.reshard_after_forward),
                      (bool(fsdp.get("param_offload")) and on_device) or host_policy,
                      ((bool(fsdp.get("optimizer_offload")) and on_device) or host_policy) and train,
-                     packed, role_lora)
+                     packed, role_lora,
+                     train and gather_once_update(fsdp.get("gather_once_per_update"), numel,
+                                                  dtype_bytes(param_dtype or mdt), dtype_bytes(reduce_dtype or mdt),
+                                                  target, device_bytes))
 
     actor_role = role(actor.fsdp_config, "causal", bool(model_cfg.enable_gradient_checkpointing),
                       actor.fsdp_config.model_dtype, bool(model_cfg.use_remove_padding), lora)
@@ -230,6 +234,7 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
                         train=train, micro_batches=micro_batches, model_dtype=r.model_dtype,
                         param_dtype=r.param_dtype, reduce_dtype=r.reduce_dtype,
                         gradient_checkpointing=r.gradient_checkpointing, gather_once=r.gather_once,
+                        gather_once_update=r.gather_once_update and train,
                         reshard_after_forward=r.reshard_after_forward, packed=r.packed, entropy=entropy,
                         lora=r.lora, foreach_optimizer=cuda,
                         attn_implementation="sdpa" if cuda else CPU_ATTENTION)
@@ -451,6 +456,9 @@ def _candidates(config: DictConfig, plan: Plan, phase: Phase) -> list[dict[str, 
         halvings(key, OmegaConf.select(config, key))
         if fsdp_section and OmegaConf.select(config, f"{fsdp_section}.gather_once_per_pass") is not False:
             out.append({f"{fsdp_section}.gather_once_per_pass": False})
+    update_fsdp = {"actor update": "actor_rollout_ref.actor.fsdp_config", "critic update": "critic.model.fsdp_config"}
+    if name in update_fsdp and OmegaConf.select(config, f"{update_fsdp[name]}.gather_once_per_update") is not False:
+        out.append({f"{update_fsdp[name]}.gather_once_per_update": False})
     kv_setting = arr.rollout.kv_cache_memory_bytes
     if name == "rollout" and (plan.target == "cpu" or kv_setting is not None):
         kv = int(kv_setting or CPU_DEFAULT_KV_CACHE_BYTES)

@@ -69,6 +69,7 @@ class PassSpec:
     reduce_dtype: str | None = None
     gradient_checkpointing: bool = False
     gather_once: bool = False  # no-grad pass: keep every unit gathered for the whole pass
+    gather_once_update: bool = False  # update: keep every unit gathered, gradients unsharded, until the last backward
     reshard_after_forward: bool = True
     packed: bool = False  # use_remove_padding: one row of batch x seq valid tokens
     entropy: bool = False
@@ -117,7 +118,8 @@ def _shard(model: nn.Module, spec: PassSpec, mesh) -> nn.Module:
         mixed = {"param_dtype": spec.param_dtype, "reduce_dtype": spec.reduce_dtype or "float32"}
     fp32_modules = [model.score] if spec.model == "value" else []
     fsdp.apply_fsdp2(model, mesh, mixed_precision=mixed or {}, reshard_after_forward=spec.reshard_after_forward,
-                           gather_once_per_pass=spec.gather_once, fp32_modules=fp32_modules)
+                           gather_once_per_pass=spec.gather_once, fp32_modules=fp32_modules,
+                           gather_once_per_update=spec.gather_once_update)
     if not spec.train:
         model.requires_grad_(False)
     return model
@@ -196,7 +198,7 @@ def _rollout_forward(model: nn.Module, spec: PassSpec) -> None:
 
 def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
-    from hflow.workers.fsdp import build_optimizer, no_grad_pass
+    from hflow.workers.fsdp import build_optimizer, no_grad_pass, update_pass
 
     vocab = int(model.config.vocab_size)
     if spec.logits_positions is not None:  # the rollout engine's forward: one unsharded model, no FSDP
@@ -208,9 +210,9 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     optimizer = None
     if spec.train:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim_cfg)
-        if spec.foreach_optimizer:
+        if spec.foreach_optimizer:  # foreach's temporaries bound fused AdamW's (none) from above
             for group in optimizer.param_groups:
-                group["foreach"] = True
+                group["foreach"], group["fused"] = True, False
     batches = [_micro_batch(spec, vocab) for _ in range(spec.micro_batches if spec.train else 1)]
     if spec.train:
         # The steady state, as the CPU check counts it: one untraced step first. AdamW's moments exist from
@@ -218,7 +220,9 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
         # which under fake tensors builds global-shaped gradients (W x the shards, all layers at once) that
         # the tracker would count; the propagation is cached, so the traced step does not.
         model.train()
-        (_forward(model, spec, batches[0]) * batches[0]["advantages"]).sum().backward()
+        with update_pass(model) as update:
+            update.before_backward(last=True)
+            (_forward(model, spec, batches[0]) * batches[0]["advantages"]).sum().backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -226,9 +230,11 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     with repeated_forwards(model, tracker), tracker:
         if spec.train:
             model.train()
-            for mb in batches:
-                out = _forward(model, spec, mb)
-                (out * mb["advantages"]).sum().backward()
+            with update_pass(model) as update:  # as the actor and critic run their micro-batches
+                for index, mb in enumerate(batches):
+                    out = _forward(model, spec, mb)
+                    update.before_backward(last=index == len(batches) - 1)
+                    (out * mb["advantages"]).sum().backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -297,7 +303,7 @@ def trace_fake(spec: PassSpec, optim_cfg: Any = None) -> dict[str, int]:
     """The peak of `spec` on one of its `world` ranks, by category, counted on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
+    optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01, kernel="foreach")
     if spec.logits_positions is not None:
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _run(_build(spec), spec, optim_cfg)

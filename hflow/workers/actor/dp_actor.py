@@ -44,9 +44,10 @@ from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_lo
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
 from hflow.utils.packing import pack_micro_batch
 from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
-from hflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from hflow.utils.lm_head import fused_lm_head
+from hflow.utils.torch_functional import block_elements_for, entropy_from_logits, logprobs_from_logits
 from hflow.workers.actor.base import BasePPOActor
-from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass
+from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pass
 from hflow.workers.fsdp.ema import ParamEMA
 
 __all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
@@ -128,26 +129,40 @@ class DataParallelPPOActor(BasePPOActor):
         (`entropy_grad=False`: the entropy is only reported, no gradient flows through it)."""
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
+        block = block_elements_for(getattr(self.config, "logit_block_elements", None))
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
-            logits = packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions).logits
+
+            def forward() -> torch.Tensor:
+                return packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions).logits
         else:
             packed = None
             inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
             scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
             labels = responses
-            logits = self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
-        # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
-        # FSDP has hooked the output tensor, which an in-place op must not replace. At T = 1 nothing to do:
-        # a pass over the (B, L, V) logits, forward and backward, saved.
-        if temperature != 1.0:
-            logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
-        log_probs = logprobs_from_logits(logits, labels)
-        entropy = None
-        if calculate_entropy:  # fp32, block-wise like the log-probs
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = entropy_from_logits(logits)
+
+            def forward() -> torch.Tensor:
+                return self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
+        if getattr(self.config, "fused_lm_head", None):  # copied from `model` by the worker; off when absent
+            # LM head, temperature, log-prob and entropy in one blocked pass (`hflow.utils.lm_head`): the
+            # model returns (..., 2) in place of the logits, which are never held
+            with fused_lm_head(self.actor_module, labels, temperature, block):
+                fused = forward()
+            log_probs, entropy = fused[..., 0], fused[..., 1]
+            entropy = (entropy if entropy_grad else entropy.detach()) if calculate_entropy else None
+        else:
+            logits = forward()
+            # In place when nothing will differentiate through it (saves a (B, L, V) buffer); under autograd
+            # FSDP has hooked the output tensor, which an in-place op must not replace. At T = 1 nothing to
+            # do: a pass over the (B, L, V) logits, forward and backward, saved.
+            if temperature != 1.0:
+                logits = logits.div_(temperature) if not torch.is_grad_enabled() else logits / temperature
+            log_probs = logprobs_from_logits(logits, labels, block)
+            entropy = None
+            if calculate_entropy:  # fp32, block-wise like the log-probs
+                with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                    entropy = entropy_from_logits(logits, block)
         if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
             log_probs = packed.unpack_response(log_probs[0])
             entropy = packed.unpack_response(entropy[0]) if entropy is not None else None
@@ -215,42 +230,16 @@ class DataParallelPPOActor(BasePPOActor):
         step = StepMetrics(info)
         # Without old log-probs no separate pass measured the policy's entropy: this forward reports it.
         report_entropy = "old_log_probs" not in mini_batch.keys()
-        for micro_batch in ppo_micro_batches(mini_batch, cfg):
-            mask = response_mask_of(micro_batch)
-            log_prob, entropy = self._forward_micro_batch(
-                micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
-                entropy_grad=cfg.entropy_coeff != 0,
-            )
-            # Passed only when present, so that custom losses without the keyword keep working.
-            is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
-                          if "rollout_is_weights" in micro_batch.keys() else {})
-            pg_loss, pg_metrics = self.policy_loss_fn(
-                old_log_prob=micro_batch["old_log_probs"] if "old_log_probs" in micro_batch.keys() else log_prob.detach(),
-                log_prob=log_prob,
-                advantages=micro_batch["advantages"],
-                response_mask=mask,
-                loss_agg_mode=cfg.loss_agg_mode,
-                config=cfg,
-                global_batch_info=info,
-                **is_weights,
-            )
-            loss = pg_loss
-            step.add_loss("actor/pg_loss", pg_loss)
-            for name, value in pg_metrics.items():
-                step.add_token_mean(f"actor/{name}", value, mask)
-            if entropy is not None:
-                entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, info)
-                if cfg.entropy_coeff != 0:
-                    loss = loss - cfg.entropy_coeff * entropy_loss
-                step.add_loss("actor/entropy", entropy_loss)
-            if cfg.use_kl_loss:
-                kl = kl_penalty(log_prob, micro_batch["ref_log_prob"], cfg.kl_loss_type)
-                kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                step.add_loss("actor/kl_loss", kl_loss)
-            loss.backward()
-        if self.ptx_sampler is not None and float(cfg.ptx.coef) > 0:
-            self._ptx_backward(step, device=mini_batch["input_ids"].device)
+        with_ptx = self.ptx_sampler is not None and float(cfg.ptx.coef) > 0
+        # one cast (one rank) or one gather (several, when it fits) of the weights for all micro-batches
+        with update_pass(self.actor_module) as update:
+            micro_batches = ppo_micro_batches(mini_batch, cfg)
+            for index, micro_batch in enumerate(micro_batches):
+                loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy)
+                update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
+                loss.backward()
+            if with_ptx:
+                self._ptx_backward(step, update, device=mini_batch["input_ids"].device)
 
         step.flush_to(metrics)
         if cfg.use_kl_loss:
@@ -260,14 +249,55 @@ class DataParallelPPOActor(BasePPOActor):
         if self.ema is not None and math.isfinite(grad_norm):  # a skipped step leaves the weights, and the EMA
             self.ema.update()
 
-    def _ptx_backward(self, step: StepMetrics, device: torch.device) -> None:
-        """Accumulate coef x the ptx language-modelling loss of this step's pre-training batch."""
+    def _micro_batch_loss(self, micro_batch: TensorDict, temperature: float, info: GlobalBatchInfo,
+                          step: StepMetrics, report_entropy: bool) -> torch.Tensor:
+        """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
+        cfg = self.config
+        mask = response_mask_of(micro_batch)
+        log_prob, entropy = self._forward_micro_batch(
+            micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
+            entropy_grad=cfg.entropy_coeff != 0,
+        )
+        # Passed only when present, so that custom losses without the keyword keep working.
+        is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
+                      if "rollout_is_weights" in micro_batch.keys() else {})
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            old_log_prob=micro_batch["old_log_probs"] if "old_log_probs" in micro_batch.keys() else log_prob.detach(),
+            log_prob=log_prob,
+            advantages=micro_batch["advantages"],
+            response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
+            global_batch_info=info,
+            **is_weights,
+        )
+        loss = pg_loss
+        step.add_loss("actor/pg_loss", pg_loss)
+        for name, value in pg_metrics.items():
+            step.add_token_mean(f"actor/{name}", value, mask)
+        if entropy is not None:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, info)
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
+            step.add_loss("actor/entropy", entropy_loss)
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, micro_batch["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            step.add_loss("actor/kl_loss", kl_loss)
+        return loss
+
+    def _ptx_backward(self, step: StepMetrics, update: Any, device: torch.device) -> None:
+        """Accumulate coef x the ptx language-modelling loss of this step's pre-training batch (its backwards
+        are the step's last: `update.before_backward`)."""
         cfg = self.config
         batch = self.ptx_sampler.next_batch().to(device)
         info = GlobalBatchInfo.from_mask(ptx_loss_mask(batch["attention_mask"]))  # ptx tokens of all ranks
-        for micro_batch in batch.split(int(cfg.ptx.micro_batch_size_per_gpu)):
+        micro_batches = batch.split(int(cfg.ptx.micro_batch_size_per_gpu))
+        for index, micro_batch in enumerate(micro_batches):
             nll = self._ptx_nll(micro_batch)
             ptx_loss = agg_loss(nll, ptx_loss_mask(micro_batch["attention_mask"]), "token-mean", info)
+            update.before_backward(last=index == len(micro_batches) - 1)
             (float(cfg.ptx.coef) * ptx_loss).backward()
             step.add_loss("actor/ptx_loss", ptx_loss)
 

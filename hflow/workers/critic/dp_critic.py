@@ -29,7 +29,7 @@ from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, 
 from hflow.utils.torch_functional import masked_mean
 from hflow.workers.actor.dp_actor import StepMetrics, response_mask_of
 from hflow.workers.critic.base import BasePPOCritic
-from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass
+from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pass
 
 __all__ = ["DataParallelPPOCritic"]
 
@@ -103,22 +103,26 @@ class DataParallelPPOCritic(BasePPOCritic):
         cfg = self.config
         info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
         step = StepMetrics(info)
-        for micro_batch in ppo_micro_batches(mini_batch, cfg):
-            mask = response_mask_of(micro_batch)
-            vpreds = self._forward_micro_batch(micro_batch)
-            vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds,
-                micro_batch["returns"],
-                micro_batch["values"],
-                mask,
-                cliprange_value=cfg.cliprange_value,
-                loss_agg_mode=cfg.loss_agg_mode,
-                global_batch_info=info,
-            )
-            vf_loss.backward()
-            step.add_loss("critic/vf_loss", vf_loss)
-            step.add_token_mean("critic/vf_clipfrac", vf_clipfrac, mask)
-            step.add_token_mean("critic/vpred_mean", masked_mean(vpreds, mask), mask)
+        # one cast (one rank) or one gather (several, when it fits) of the weights for all micro-batches
+        with update_pass(self.critic_module) as update:
+            micro_batches = ppo_micro_batches(mini_batch, cfg)
+            for index, micro_batch in enumerate(micro_batches):
+                mask = response_mask_of(micro_batch)
+                vpreds = self._forward_micro_batch(micro_batch)
+                vf_loss, vf_clipfrac = compute_value_loss(
+                    vpreds,
+                    micro_batch["returns"],
+                    micro_batch["values"],
+                    mask,
+                    cliprange_value=cfg.cliprange_value,
+                    loss_agg_mode=cfg.loss_agg_mode,
+                    global_batch_info=info,
+                )
+                update.before_backward(last=index == len(micro_batches) - 1)
+                vf_loss.backward()
+                step.add_loss("critic/vf_loss", vf_loss)
+                step.add_token_mean("critic/vf_clipfrac", vf_clipfrac, mask)
+                step.add_token_mean("critic/vpred_mean", masked_mean(vpreds, mask), mask)
 
         step.flush_to(metrics)
         grad_norm = clip_grad_norm_and_step(self.critic_module, self.critic_optimizer, cfg.grad_clip)

@@ -9,7 +9,9 @@ worker's call here, and a call inside the engine on the module that holds the fu
 * ``sharding``: FSDP2 (`apply_fsdp2`), inference-only passes, gradient clipping and the optimizer step,
   offloading between phases;
 * ``params``: weights under their Hugging Face names, one full tensor at a time (`iter_full_params`);
-* ``optim``: AdamW and the learning-rate schedule.
+* ``optim``: AdamW and the learning-rate schedule;
+* ``passes``: the weights a pass computes with, cast (one rank) or gathered (FSDP2) once per pass
+  (`update_pass`, `compute_weights`).
 
 Beside them, imported by module: ``checkpoint`` (sharded checkpoints and the Hugging Face export),
 ``ema`` (an EMA of the sharded weights), ``snapshot`` (the health watch's host copy of a model's state),
@@ -35,6 +37,7 @@ from hflow.workers.fsdp.sharding import (
     GATHER_ONCE_MAX_FRACTION,
     apply_fsdp2,
     clip_grad_norm_and_step,
+    fsdp_needed,
     default_mixed_precision,
     fsdp_clip_grad_norm,
     gather_once_fits,
@@ -46,6 +49,12 @@ from hflow.workers.fsdp.sharding import (
     offload_optimizer,
     reshard_fsdp_model,
     resolve_gather_once,
+)
+from hflow.workers.fsdp.passes import (
+    UPDATE_GATHER_MAX_FRACTION,
+    compute_weights,
+    update_gather_fits,
+    update_pass,
 )
 from hflow.workers.fsdp.params import (
     clean_param_name,
@@ -63,6 +72,7 @@ from hflow.workers.fsdp.optim import (
 
 __all__ = [
     "GATHER_ONCE_MAX_FRACTION",
+    "UPDATE_GATHER_MAX_FRACTION",
     "VALUE_HEAD_INITS",
     "apply_fsdp2",
     "apply_lora",
@@ -71,10 +81,12 @@ __all__ = [
     "build_optimizer",
     "clean_param_name",
     "clip_grad_norm_and_step",
+    "compute_weights",
     "default_attn_implementation",
     "default_mixed_precision",
     "enable_gradient_checkpointing",
     "fsdp_clip_grad_norm",
+    "fsdp_needed",
     "full_param_shapes",
     "gather_once_fits",
     "is_lora_model",
@@ -97,5 +109,7 @@ __all__ = [
     "resolve_gather_once",
     "shards_on_host",
     "to_torch_dtype",
+    "update_gather_fits",
+    "update_pass",
     "weights_from_rank0",
 ]

@@ -10,19 +10,26 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from hflow.utils import device
 from hflow.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 
 
 def build_optimizer(params: Iterable[nn.Parameter], optim_cfg: Any) -> Optimizer:
-    """AdamW from the `optim` section (`lr`, `betas`, `weight_decay`; every key present: build one by hand
-    from `hflow.trainer.config.default_config().actor_rollout_ref.actor.optim`)."""
+    """AdamW from the `optim` section (`lr`, `betas`, `weight_decay`, `kernel`; every key present: build one
+    by hand from `hflow.trainer.config.default_config().actor_rollout_ref.actor.optim`). `kernel: auto` is
+    fused where the parameters live on a GPU, foreach elsewhere (`device.optimizer_kernel`)."""
+    params = list(params)
     betas = optim_cfg.betas
+    where = params[0].device if params else device.get_device()
+    kernel = device.optimizer_kernel(where, str(optim_cfg.kernel))
     return torch.optim.AdamW(
         params,
         lr=float(optim_cfg.lr),
         betas=(float(betas[0]), float(betas[1])),
         weight_decay=float(optim_cfg.weight_decay),
+        fused=kernel == "fused",
+        foreach=kernel == "foreach",
     )
 
 

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from hflow.utils import device
 from hflow.workers.fsdp.models import shards_on_host, to_torch_dtype
+from hflow.workers.fsdp.passes import compute_weights, resolve_gather_once_per_update, set_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,19 @@ def nothing_for_fsdp_to_do(model: nn.Module, mesh: DeviceMesh, policy: MixedPrec
     return policy.output_dtype is None or all(p.dtype == policy.output_dtype for p in model.parameters())
 
 
+def fsdp_needed(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
+                fp32_modules: Iterable[nn.Module] = (), cpu_offload: bool = False) -> bool:
+    """Whether `apply_fsdp2` wraps `model` in FSDP2: to shard it (several ranks), to keep its shards on the
+    host, to cast its outputs, or to compute a head stored in another dtype in fp32. A one-rank model that
+    only computes in a lower precision than it stores is left plain: `passes.compute_weights` casts it once
+    per pass instead of FSDP2 once per micro-batch (and again for backward)."""
+    if nothing_for_fsdp_to_do(model, mesh, policy, fp32_modules, cpu_offload):
+        return False
+    if mesh.size() != 1 or shards_on_host(cpu_offload) or policy.output_dtype is not None:
+        return True
+    return any(p.dtype != torch.float32 for module in fp32_modules for p in module.parameters())
+
+
 def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     """A module's tensor output that is a view (of the (B x T, labels) result of a biased Linear's addmm)
     -> a copy of its own; anything else unchanged.
@@ -140,15 +154,17 @@ def apply_fsdp2(
     fp32_modules: Iterable[nn.Module] = (),
     gather_once_per_pass: bool | None = None,
     fsdp_on_one_rank: bool = False,
+    gather_once_per_update: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is its own all-gather unit, then the root
     takes what is left (embeddings, final norm, LM / value head). Returns the same object.
 
     On a mesh of one rank FSDP2 has nothing to shard: it would only copy each unit's weights into a
-    gathered buffer before its forward and back after, through DTensor's dispatch. Unless it has something else
-    to do there -- cast the weights (mixed precision, an fp32 head), keep them on the host (`cpu_offload`)
-    -- the model is left a plain module on the device (`fsdp_on_one_rank=True` wraps it anyway). Every
-    helper here takes either.
+    gathered buffer before its forward and back after, through DTensor's dispatch, casting them on the way
+    every micro-batch. Unless it has something else to do there (`fsdp_needed`: keep them on the host, cast
+    the outputs), the model is left a plain module on the device (`fsdp_on_one_rank=True` wraps it anyway);
+    with mixed precision it records its compute dtype, and `update_pass` / `no_grad_pass` cast its fp32
+    weights once per pass (`hflow.workers.fsdp.passes`). Every helper here takes either.
 
     Each of `fp32_modules` (a critic's value head) becomes a unit of its own that computes in fp32
     whatever the mixed precision: its bf16 input is cast up and its output is not rounded to bf16,
@@ -158,21 +174,25 @@ def apply_fsdp2(
     The root keeps its parameters gathered between forward and backward (FSDP2's default for a root:
     backward needs them first); run inference-only passes inside `no_grad_pass`, which frees them after.
     `gather_once_per_pass` lets such a pass gather each layer once for all its micro-batches; None decides
-    by the model's size and the device's memory (`gather_once_fits`).
+    by the model's size and the device's memory (`gather_once_fits`). `gather_once_per_update` does the same
+    for an optimizer step's forwards and backwards (`passes.update_pass`; None: `update_gather_fits`).
     `cpu_offload` keeps the shards, gradients and optimizer step on the host for good (FSDP2's
     `CPUOffloadPolicy`; meaningless, and skipped, on CPU); do not combine it with the per-phase
     `offload_*` / `load_*` helpers below, which would move that state back to the device.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": _mixed_precision_policy(mixed_precision)}
     fp32_modules = list(fp32_modules)
-    if not fsdp_on_one_rank and nothing_for_fsdp_to_do(model, mesh, kwargs["mp_policy"], fp32_modules, cpu_offload):
+    policy = kwargs["mp_policy"]
+    if not fsdp_on_one_rank and not fsdp_needed(model, mesh, policy, fp32_modules, cpu_offload):
         # Where FSDP2 would have put it (a fake-tensor trace's mesh is on the host whatever the machine); moved
         # only when elsewhere, as `.to` cannot swap a fake tensor's storage.
         target = device.get_device() if mesh.device_type == device.get_device().type else torch.device(mesh.device_type)
         if any(t.device != target for t in (*model.parameters(), *model.buffers())):
             model.to(target)
+        if not nothing_for_fsdp_to_do(model, mesh, policy, fp32_modules, cpu_offload):
+            set_compute_dtype(model, policy.param_dtype, fp32_modules)
         return model
-    gather_once_per_pass = resolve_gather_once(model, gather_once_per_pass, kwargs["mp_policy"])
+    gather_once_per_pass = resolve_gather_once(model, gather_once_per_pass, policy)
     kwargs["offload_policy"] = CPUOffloadPolicy() if shards_on_host(cpu_offload) else OffloadPolicy()
     units: list[tuple[nn.Module, bool]] = []
     for layer in decoder_layers(model):
@@ -189,6 +209,8 @@ def apply_fsdp2(
     # what `no_grad_pass` restores after keeping every unit gathered
     model._hflow_reshard_after_forward = units
     model._hflow_gather_once_per_pass = gather_once_per_pass
+    model._hflow_gather_once_per_update = resolve_gather_once_per_update(
+        model, gather_once_per_update, policy.param_dtype, policy.reduce_dtype)
     return model
 
 
@@ -201,7 +223,8 @@ def no_grad_pass(model: nn.Module) -> Iterator[None]:
     until the pass ends, instead of being gathered again for every micro-batch: one all-gather per layer
     per pass, at the cost of a full copy of the weights (in the compute dtype) on the device while the
     pass runs. Either way, everything is resharded on
-    leaving, as no backward follows to do it. A plain `torch.no_grad()` for a model not sharded here.
+    leaving, as no backward follows to do it. For a plain one-rank model with a compute dtype, its weights
+    are cast once for the pass (`passes.compute_weights`); otherwise a plain `torch.no_grad()`.
     """
     units = getattr(model, "_hflow_reshard_after_forward", [])
     keep_gathered = bool(units) and getattr(model, "_hflow_gather_once_per_pass", False)
@@ -209,7 +232,7 @@ def no_grad_pass(model: nn.Module) -> Iterator[None]:
         for unit, _ in units:
             unit.set_reshard_after_forward(False, recurse=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), compute_weights(model, accumulate_grads=False):
             yield
     finally:
         if keep_gathered:

@@ -28,6 +28,7 @@ from hflow.workers.rollout.base import (
     assemble_rollout_output,
     resolve_sampling,
 )
+from hflow.workers.fsdp.passes import compute_weights
 from hflow.workers.rollout.multi_turn import MultiTurnRollout
 
 __all__ = ["HFRollout"]
@@ -54,12 +55,15 @@ class HFRollout(BaseRollout):
         micro_batch_size = self.config.micro_batch_size or len(prompts)
         was_training = self.module.training
         self.module.eval()
+        # a one-rank mixed-precision actor generates with its compute copies, as its log-prob pass scores
         try:
-            if self.multi_turn is not None:
-                engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"], prompts.meta_info["pad_token_id"])
-                return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
-                                                all_done=_all_ranks_done if _synced() else None)
-            outputs = [self._generate(chunk, settings) for chunk in prompts.split(micro_batch_size)]
+            with compute_weights(self.module, accumulate_grads=False):
+                if self.multi_turn is not None:
+                    engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"],
+                                         prompts.meta_info["pad_token_id"])
+                    return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
+                                                    all_done=_all_ranks_done if _synced() else None)
+                outputs = [self._generate(chunk, settings) for chunk in prompts.split(micro_batch_size)]
         finally:
             self.module.train(was_training)
             empty_cache()
