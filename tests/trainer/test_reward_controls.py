@@ -63,6 +63,8 @@ def runs(request, tmp_path_factory) -> dict[tuple[str, str], Future]:
                 for case in wanted}
 
 
+# The first test's setup runs all four, two at a time: its time limit is two runs' (each stops at 900 s).
+@pytest.mark.timeout(2 * 900 + 60)
 @pytest.mark.parametrize("estimator,reward_name", CASES, ids=["grpo-real", "grpo-coin_flip", "grpo-inverted", "gae-real"])
 def test_only_the_real_reward_teaches_the_task(runs, estimator, reward_name):
     scores = runs[(estimator, reward_name)].result()  # {step: greedy validation score}, every 2 steps
