@@ -2,13 +2,16 @@
 called once per batch, with lists), ``dapo`` (naive plus the overlong buffer, on by default for it), a manager
 the user's reward file registers, and the remote scorer (``custom_reward_function.url``, a scoring server
 in this test process). Each is the README's local-backend GRPO run for 6 steps (the built-in task is at
-0.9 by step 4), judged by the pass mark every learning test shares (tests/trainer/learning.py).
+0.9 by step 4), judged by the pass mark every learning test shares (tests/trainer/learning.py). The three
+runs go two at a time with one torch thread each (as bench/reward_controls.py runs them): a run of the tiny
+model gains little from a second thread, and two side by side use both cores.
 """
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -50,7 +53,7 @@ def _run(tmp_path, *overrides):
         [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=grpo", "trainer.backend=local",
          "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf", f"trainer.total_training_steps={STEPS}",
          *overrides],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True, text=True,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -59,7 +62,7 @@ def _run(tmp_path, *overrides):
     return [r for r in records if "reward/errors" in r]  # the training steps
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def scoring_server():
     """A scoring server on 127.0.0.1 that scores like the built-in task and answers 503 to every fifth
     request (tests/reward/test_remote_scorer.py)."""
@@ -70,20 +73,40 @@ def scoring_server():
     server.server_close()
 
 
-@pytest.mark.parametrize("case", ["batch", "dapo-remote", "user-registered"])
-def test_each_manager_teaches_the_task(tmp_path, scoring_server, case):
-    """batch: the user's batch function; dapo (its overlong buffer on by default) scoring through the remote
-    scorer, against a server whose every fifth request fails once with a 503 (retried); a manager the user's
-    reward file registers. Dapo and the remote scorer share a run to keep the suite short."""
+CASES = ["user-registered", "batch", "dapo-remote"]  # the longest first: the three take the time of two
+
+
+def _run_case(tmp_path, server, case):
     user_file = f"custom_reward_function.path={tmp_path / 'user_reward.py'}"
-    server = scoring_server
     overrides = {
         "batch": ["reward_model.reward_manager=batch", user_file, "custom_reward_function.name=batch_score"],
         "dapo-remote": ["reward_model.reward_manager=dapo", f"custom_reward_function.url={server.url}",
                         "custom_reward_function.batch_size=16"],
         "user-registered": ["reward_model.reward_manager=learn_test_mine", user_file],
     }[case]
-    steps = _run(tmp_path, *overrides)
+    return _run(tmp_path, *overrides)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, scoring_server) -> dict[str, Future]:
+    """{case: the run's future training steps}, for the cases this session selected, two runs at a time. A
+    run that fails raises in its own test only (`Future.result`)."""
+    wanted = [case for case in CASES if any(getattr(item, "callspec", None) is not None and item.module is
+                                            request.module and item.callspec.params.get("case") == case
+                                            for item in request.session.items)]
+    with ThreadPoolExecutor(2) as pool:  # leaving the block waits for every run
+        return {case: pool.submit(_run_case, tmp_path_factory.mktemp(case), scoring_server, case) for case in wanted}
+
+
+# The first test's setup runs all three, two at a time: its time limit is two runs' (each stops at 600 s).
+@pytest.mark.timeout(2 * 600 + 60)
+@pytest.mark.parametrize("case", ["batch", "dapo-remote", "user-registered"])
+def test_each_manager_teaches_the_task(runs, scoring_server, case):
+    """batch: the user's batch function; dapo (its overlong buffer on by default) scoring through the remote
+    scorer, against a server whose every fifth request fails once with a 503 (retried); a manager the user's
+    reward file registers. Dapo and the remote scorer share a run to keep the suite short."""
+    server = scoring_server
+    steps = runs[case].result()
     assert len(steps) == STEPS and all(r["reward/errors"] == 0 for r in steps)
     overlong = ["reward/overlong_penalty_mean" in r and "response/overlong_frac" in r for r in steps]
     assert all(overlong) if case == "dapo-remote" else not any(overlong)  # data.max_response_length 64: len 12
