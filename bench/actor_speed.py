@@ -49,6 +49,9 @@ NO_RESHARD = {"actor_rollout_ref.actor.fsdp_config.reshard_after_forward": False
 COMPILE = {"actor_rollout_ref.model.use_torch_compile": True}
 LIGER = {"actor_rollout_ref.model.use_liger": True}
 CHECKPOINTING = {"actor_rollout_ref.model.enable_gradient_checkpointing": True}
+OLD_KERNELS = {"actor_rollout_ref.actor.optim.kernel": "foreach",  # before issue 33: foreach AdamW, CPU-sized blocks
+               "actor_rollout_ref.model.logit_block_elements": 4 * 1024 * 1024}
+FUSED_HEAD = {"actor_rollout_ref.model.fused_lm_head": True}
 ONE_MICRO = {"actor_rollout_ref.model.use_remove_padding": True, "actor_rollout_ref.actor.use_dynamic_bsz": True,
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "all"}  # "all": the whole batch's tokens
 
@@ -76,9 +79,13 @@ ARMS = [
     Arm("H6c", "H6 + gradient checkpointing", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **CHECKPOINTING}),
     Arm("H7", "H5 + use_torch_compile + use_liger", {**H_BASE, **PACKED, **NO_RESHARD, **COMPILE, **LIGER},
         needs=("cuda", "liger_kernel")),
+    Arm("H0k", "H0 with the old kernels: foreach AdamW, 4M-logit log-prob blocks", {**H_BASE, **OLD_KERNELS}),
+    Arm("H8", "H5 + fused_lm_head (blocked head + log-prob + entropy, recomputed in backward)",
+        {**H_BASE, **PACKED, **NO_RESHARD, **FUSED_HEAD}),
+    Arm("H9", "H6 + fused_lm_head", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **FUSED_HEAD}),
     Arm("P0b", "P0 again (clock or thermal drift)", plain="autocast"),
 ]
-CPU_ARMS = "P0,P1,H0,H1,H6"  # compiling on a small CPU takes minutes; Liger needs CUDA
+CPU_ARMS = "P0,P1,H0,H0k,H1,H6,H8"  # compiling on a small CPU takes minutes; Liger needs CUDA
 
 
 @dataclass
@@ -330,6 +337,8 @@ def arm_config(overrides: dict[str, Any], shape: Shape):
     resolve_device_defaults(arr, device.is_cuda())
     arr.actor.ppo_mini_batch_size_per_rank = shape.n
     arr.actor.use_remove_padding = bool(arr.model.use_remove_padding)  # as normalize_actor_rollout_ref copies it
+    arr.actor.fused_lm_head = bool(arr.model.fused_lm_head)  # the model-level kernel keys, copied likewise
+    arr.actor.logit_block_elements = arr.model.logit_block_elements
     return arr
 
 
