@@ -71,8 +71,11 @@ def test_text_and_message_pairs_encode_the_same_with_the_mask_on_the_reply(token
                                                       "rejected": [{"role": "assistant", "content": "6"}]}])
     implicit = write(tmp_path / "implicit.parquet", [{"chosen": QUESTION + [{"role": "assistant", "content": "5"}],
                                                       "rejected": QUESTION + [{"role": "assistant", "content": "6"}]}])
-    pairs = [DPODataset(f, tokenizer, data_config())[0]["pair"] for f in (text, explicit, implicit)]
-    assert pairs[0] == pairs[1] == pairs[2]
+    repeated = write(tmp_path / "repeated.parquet", [{"prompt": "What is 2 + 3?",  # UltraFeedback's layout
+                                                      "chosen": QUESTION + [{"role": "assistant", "content": "5"}],
+                                                      "rejected": QUESTION + [{"role": "assistant", "content": "6"}]}])
+    pairs = [DPODataset(f, tokenizer, data_config())[0]["pair"] for f in (text, explicit, implicit, repeated)]
+    assert pairs[0] == pairs[1] == pairs[2] == pairs[3]
     prompt = prompt_ids(tokenizer, QUESTION)
     for (ids, mask), reply in zip(pairs[0], ("5", "6")):
         assert ids == prompt + reply_ids(tokenizer, reply)
@@ -162,10 +165,9 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
 
     beta, eps = 0.5, 0.1
     rows = pq.read_table(ensure_rlhf_task_data().rm_val).to_pylist()[:12:2]
-    for row in rows[::2]:  # half of them as messages: the same pairs
-        row["chosen"] = [{"role": "assistant", "content": row["chosen"]}]
-        row["rejected"] = [{"role": "assistant", "content": row["rejected"]}]
-    val = write(tmp_path / "val.parquet", rows)
+    as_messages = [{**row, "chosen": [{"role": "assistant", "content": row["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": row["rejected"]}]} for row in rows[3:]]
+    val = f"[{write(tmp_path / 'text.parquet', rows[:3])},{write(tmp_path / 'messages.parquet', as_messages)}]"
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="dpo_trainer", overrides=[
             "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3",
@@ -177,7 +179,7 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
     tokenizer = load_tokenizer(ensure_builtin_assets().model_path)
     ref = AutoModelForCausalLM.from_pretrained(ensure_builtin_assets().model_path, dtype=torch.float32).eval()
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface", dtype=torch.float32).eval()
-    texts = [[r[k] if isinstance(r[k], str) else r[k][-1]["content"] for k in ("chosen", "rejected")] for r in rows]
+    texts = [[r["chosen"], r["rejected"]] for r in rows]
     logps = {name: [[reply_logp(model, tokenizer, r["prompt"], t) for t in pair] for r, pair in zip(rows, texts)]
              for name, model in (("policy", policy), ("ref", ref))}
     by_hand = {"logps/chosen": [], "logps/rejected": [], "rewards/chosen": [], "rewards/rejected": [],

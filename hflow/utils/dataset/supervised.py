@@ -14,8 +14,8 @@ exactly the token layout it scores in PPO, and the SFT policy learns to stop whe
   list of K texts) and ``label`` (the index of the preferred one; lm-human-preferences' K-way form).
   A row is a group of K sequences, the preferred one first-class in ``preferred_mask``.
 * `DPODataset`: ``chosen`` and ``rejected``, each a text after a ``prompt`` column, or chat messages
-  ending with the assistant's reply (after the prompt column if there is one; without it the messages
-  before the reply are the prompt, and must be the same in both). A row is two sequences, chosen first,
+  ending with the assistant's reply (after the prompt column if there is one and they do not already
+  start with it; without it the messages before the reply are the prompt, and must be the same in both). A row is two sequences, chosen first,
   with ``loss_mask`` on the reply's tokens (what DPO's log-probabilities sum over). Rows whose two replies
   are identical stop the run, counted and named: they carry no preference.
 """
@@ -318,7 +318,11 @@ class DPODataset(Dataset):
         if not messages or messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str):
             raise DataError(f"{where}: a reply must be a text or chat messages ending with an assistant message, "
                             f"got {type(response).__name__}")
-        context = (_as_chat(prompt, f"{where} (prompt)") if prompt is not None else []) + messages[:-1]
+        context = messages[:-1]
+        if prompt is not None:
+            prompt_chat = _as_chat(prompt, f"{where} (prompt)")
+            if context[: len(prompt_chat)] != prompt_chat:  # the messages continue the prompt (else they repeat
+                context = prompt_chat + context            # it, as UltraFeedback's do: not twice)
         if not context:
             raise DataError(f"{where}: the messages hold only the reply; give the prompt in a {cfg.prompt_key!r} column "
                             "or as the messages before the reply")
