@@ -2,7 +2,7 @@
 
     python bench/dpo_builtin.py --out bench/results/dpo_builtin.json [--seeds 1 2 3] [--steps 39]
 
-Per seed, two runs of the README's command (`python -m hflow.trainer.main_dpo`, the built-in model and task,
+Per seed, two runs (all at once, a process each) of the README's command (`python -m hflow.trainer.main_dpo`, the built-in model and task,
 one local rank), `--steps` optimizer steps each (39 = one epoch of the 1265 training pairs):
 
 * learn: the built-in training pairs;
@@ -38,16 +38,14 @@ from hflow.tasks.builtin_task import ensure_builtin_assets  # noqa: E402
 from hflow.tasks.rlhf_task import ensure_rlhf_task_data, write_shuffled_labels  # noqa: E402
 
 
-def run_dpo(out: Path, seed: int, steps: int, train_files: str | None) -> float:
+def start_dpo(out: Path, seed: int, steps: int, train_files: str | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "hflow.trainer.main_dpo", "trainer.backend=local", "trainer.n_gpus_per_node=1",
                f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.total_training_steps={steps}",
                "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", f"trainer.log_dir={out}/logs"]
     if train_files:
         command.append(f"data.train_files={train_files}")
-    started = time.perf_counter()
-    subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
-                   stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    return subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".log"), "w"))
 
 
 @torch.no_grad()
@@ -95,22 +93,30 @@ def main() -> None:
     report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "steps": args.steps,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "base_model": measure(base), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
+        # every run at once (one process each: on a shared machine they finish together rather than in turn)
+        started, runs = time.perf_counter(), {}
         for seed in args.seeds:
             shuffled = write_shuffled_labels(ensure_rlhf_task_data().rm_train, Path(tmp) / f"shuffled-{seed}.parquet",
                                              seed=seed)
             for arm, files in (("learn", None), ("control", shuffled)):
                 out = Path(tmp) / f"{arm}-{seed}"
-                seconds = run_dpo(out, seed, args.steps, files)
-                records = [json.loads(line) for line in open(out / "logs" / "metrics.jsonl")]
-                val = [r for r in records if "val/rewards/accuracies" in r][-1]
-                row = {"seed": seed, "arm": arm, "seconds": round(seconds, 1),
-                       "val": {k: v for k, v in val.items() if k.startswith("val/")},
-                       "heldout_pair_accuracy": pair_accuracy(str(out / "huggingface"), base),
-                       **measure(str(out / "huggingface"))}
-                report["runs"].append(row)
-                print(f"seed {seed} {arm:8s} pairs {row['heldout_pair_accuracy']} exact_correct "
-                      f"{row['exact_correct']:.3f} house {row['house_style']:.3f} ({seconds:.0f} s)", flush=True)
-                Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+                out.mkdir()
+                runs[seed, arm] = out, start_dpo(out, seed, args.steps, files)
+        for (seed, arm), (out, proc) in runs.items():
+            if proc.wait():
+                raise SystemExit(f"seed {seed} {arm} failed: {out.with_suffix('.log').read_text()[-3000:]}")
+        report["seconds_all_runs"] = round(time.perf_counter() - started, 1)
+        for (seed, arm), (out, _) in runs.items():
+            records = [json.loads(line) for line in open(out / "logs" / "metrics.jsonl")]
+            val = [r for r in records if "val/rewards/accuracies" in r]
+            row = {"seed": seed, "arm": arm, "val_before": {k: v for k, v in val[0].items() if k.startswith("val/")},
+                   "val": {k: v for k, v in val[-1].items() if k.startswith("val/")},
+                   "heldout_pair_accuracy": pair_accuracy(str(out / "huggingface"), base),
+                   **measure(str(out / "huggingface"))}
+            report["runs"].append(row)
+            print(f"seed {seed} {arm:8s} pairs {row['heldout_pair_accuracy']} exact_correct "
+                  f"{row['exact_correct']:.3f} house {row['house_style']:.3f}", flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     report["load_average_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,6 +1,7 @@
 """`SupervisedTrainer`: the single controller of the supervised stages, SFT (`main_sft`), reward-model
-training (`main_rm`) and DPO (`main_dpo`), on the same machinery as PPO: a worker group on Ray (or the local backend), FSDP2
-workers, resumable data order, step checkpoints, the loggers, and a Hugging Face folder at the end.
+training (`main_rm`) and DPO (`main_dpo`), on the same machinery as PPO: a worker group on Ray (or the
+local backend), FSDP2 workers, resumable data order, step checkpoints, the loggers, and a Hugging Face
+folder at the end.
 
     for each step:
         batch   = next global batch of demonstrations / preference groups / preference pairs

@@ -160,10 +160,12 @@ def metrics_of(log_dir):
 
 def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
     """Three steps with cDPO's smoothing, then the run's val metrics against the same quantities computed
-    here from the folders: the reference (the built-in model the run started from) and the policy it wrote."""
+    here from the folders: the reference (the built-in model the run started from) and the policy it wrote.
+    (Each reply's log-probability is a sum of about eight fp32 terms near -9: the run's and this one agree
+    to about 1e-6 of it; beta = 0.1 keeps the rewards' and losses' share of that below 1e-6.)"""
     from transformers import AutoModelForCausalLM
 
-    beta, eps = 0.5, 0.1
+    beta, eps = 0.1, 0.1
     rows = pq.read_table(ensure_rlhf_task_data().rm_val).to_pylist()[:12:2]
     as_messages = [{**row, "chosen": [{"role": "assistant", "content": row["chosen"]}],
                     "rejected": [{"role": "assistant", "content": row["rejected"]}]} for row in rows[3:]]
@@ -171,7 +173,8 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="dpo_trainer", overrides=[
             "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3",
-            f"data.val_files={val}", f"dpo.beta={beta}", f"dpo.label_smoothing={eps}", "optim.lr=3e-3",
+            f"data.val_files={val}", f"dpo.beta={beta}", f"dpo.label_smoothing={eps}", "optim.lr=1e-2",
+            "optim.lr_warmup_steps=0",
             "trainer.val_before_train=false", "trainer.logger=[jsonl]", "data.micro_batch_size_per_gpu=5",
             f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"])
     val_metrics = run_stage(config, "dpo", frozenset({"data.val_files"}))
@@ -193,7 +196,7 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
         by_hand["rewards/margins"].append(beta * h)
         by_hand["rewards/accuracies"].append(float(pc - rc > pr - rr))
         by_hand["loss"].append((1 - eps) * math.log1p(math.exp(-beta * h)) + eps * math.log1p(math.exp(beta * h)))
-    assert 0 < sum(by_hand["rewards/accuracies"]) < len(rows) or abs(sum(by_hand["rewards/margins"])) > 0.01
+    assert max(map(abs, by_hand["rewards/margins"])) > 0.05  # the policy moved: the signs are tested
     for name, values in by_hand.items():
         assert val_metrics[f"val/{name}"] == pytest.approx(sum(values) / len(values), rel=1e-6, abs=1e-6), name
     # step 1 starts at the reference: every reward is 0, the loss log 2 whatever the smoothing
