@@ -173,9 +173,10 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         config = compose(config_name="dpo_trainer", overrides=[
             "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3",
+            "data.train_batch_size=8",
             f"data.val_files={val}", f"dpo.beta={beta}", f"dpo.label_smoothing={eps}", "optim.lr=1e-2",
             "optim.lr_warmup_steps=0",
-            "trainer.val_before_train=false", "trainer.logger=[jsonl]", "data.micro_batch_size_per_gpu=5",
+            "trainer.val_before_train=false", "trainer.logger=[jsonl]", "data.micro_batch_size_per_gpu=3",
             f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"])
     val_metrics = run_stage(config, "dpo", frozenset({"data.val_files"}))
 
