@@ -237,15 +237,18 @@ def dpo_output(tmp_path_factory):
 
 def test_dpo_learns_the_builtin_pairs_and_shuffled_labels_do_not(dpo_output, tmp_path):
     """The built-in model answers one too high (exact-correct 0 on the held-out questions). DPO on the
-    built-in pairs ranks held-out pairs by its implicit reward and answers more of them right; on the
-    same pairs with chosen and rejected swapped in a random half, neither moves."""
+    built-in pairs ranks held-out pairs by its implicit reward (0.695 when measured) and answers most of
+    them right (0.800). On the same pairs with chosen and rejected swapped in a random half, the pair
+    accuracy stays at chance (0.523); its greedy answers move too (0.425 right when measured: any update
+    breaks the one-too-high habit and some answers land on the right number), but far less than learning's."""
     before = exact_correct(ensure_builtin_assets().model_path)
     _, (learned, learned_correct) = dpo_output
     shuffled = write_shuffled_labels(ensure_rlhf_task_data().rm_train, tmp_path / "shuffled.parquet")
     control, control_correct = dpo_run(tmp_path, shuffled)
     assert before <= 0.05
-    assert learned["val/rewards/accuracies"] >= 0.65 and learned_correct >= before + 0.15, (learned, learned_correct)
-    assert control["val/rewards/accuracies"] <= 0.55 and control_correct <= before + 0.05, (control, control_correct)
+    assert learned["val/rewards/accuracies"] >= 0.65 and learned_correct >= 0.6, (learned, learned_correct)
+    assert control["val/rewards/accuracies"] <= 0.56, control
+    assert learned_correct >= control_correct + 0.2, (learned_correct, control_correct)
 
 
 def test_dpo_output_loads_in_ppo_as_actor_and_reference(dpo_output, tmp_path):
