@@ -45,7 +45,7 @@ def schema_leaves(name: str = "ppo_trainer") -> dict:
     return leaves(OmegaConf.to_container(default_config(SCHEMAS[name]), resolve=False))
 
 
-STAGES = ["ppo_trainer", "sft_trainer", "rm_trainer"]
+STAGES = ["ppo_trainer", "sft_trainer", "rm_trainer", "dpo_trainer"]
 
 
 @pytest.mark.parametrize("name", STAGES)
@@ -68,7 +68,8 @@ def test_every_yaml_value_has_the_schema_type(name):
 
 
 @pytest.mark.parametrize("builtin,name", [("builtin_task", "ppo_trainer"), ("builtin_agent_task", "ppo_trainer"),
-                                          ("builtin_sft", "sft_trainer"), ("builtin_rm", "rm_trainer")])
+                                          ("builtin_sft", "sft_trainer"), ("builtin_rm", "rm_trainer"),
+                                          ("builtin_dpo", "dpo_trainer")])
 def test_builtin_task_settings_name_schema_keys(builtin, name):
     unknown = sorted(set(yaml_leaves(f"{builtin}.yaml")) - set(schema_leaves(name)))
     assert not unknown, f"{builtin}.yaml names keys the schema does not have: {unknown}"

@@ -23,7 +23,7 @@ LAYERS = [
     ("workers",),  # SPMD workers: FSDP actor/critic/ref, rollouts, weight sync
     ("reward",),  # scorers, managers, shaping, the generative judge, the audit
     ("tasks",),  # built-in tasks: their data and small pre-trained models
-    ("trainer",),  # the drivers: main_ppo / main_sft / main_rm, preflight, the memory plan, RayPPOTrainer
+    ("trainer",),  # the drivers: main_ppo / main_sft / main_rm / main_dpo, preflight, the memory plan, RayPPOTrainer
     ("cli",),  # offline command-line tools: checkpoint converter, the memory plan's command line, plot
 ]
 # Imports nothing of hflow at all (its processes start from a bare interpreter).

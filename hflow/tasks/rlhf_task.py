@@ -49,7 +49,8 @@ from hflow.tasks.builtin_task import Problem, builtin_problems, split_problems
 from hflow.utils.cache import default_cache_root
 from hflow.reward.score import answer_style
 
-__all__ = ["DATA_SOURCE", "PAIR_KINDS", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render"]
+__all__ = ["DATA_SOURCE", "PAIR_KINDS", "STYLES", "RLHFTaskData", "ensure_rlhf_task_data", "render",
+           "write_shuffled_labels"]
 
 VERSION = "2"
 DATA_SOURCE = "hflow/arithmetic-style"
@@ -162,6 +163,19 @@ def ensure_rlhf_task_data(cache_dir: str | Path | None = None) -> RLHFTaskData:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _files(final)
+
+
+def write_shuffled_labels(pairs: str | Path, out: str | Path, seed: int = 0) -> str:
+    """The control of a preference-learning claim: `pairs` with chosen and rejected swapped in a random
+    half of the rows (exactly half, seeded), so the labels carry no preference; written to `out`."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(pairs).to_pylist()
+    rng = random.Random(seed)
+    for i in rng.sample(range(len(rows)), len(rows) // 2):
+        rows[i]["chosen"], rows[i]["rejected"] = rows[i]["rejected"], rows[i]["chosen"]
+    write_parquet(rows, Path(out))
+    return str(out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The roots of the configuration: the `trainer` and `ray_init` sections, the stages' root schemas
-(`PPOTrainerConfig`, `SFTTrainerConfig`, `RMTrainerConfig`) assembled from the sections their owners
+(`PPOTrainerConfig`, `SFTTrainerConfig`, `RMTrainerConfig`, `DPOTrainerConfig`) assembled from the sections their owners
 define, and the trainer's own rules (world size, placement, resume, the reuse of the update's log-probs).
 
 Code that builds a configuration by hand (tests, benchmarks) starts from `default_config()` or
@@ -29,13 +29,14 @@ from hflow.config_schema import (
 from hflow.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from hflow.sandbox.config import SandboxConfig
 from hflow.trainer.ppo.health_config import HealthConfig
-from hflow.utils.dataset.config import DataConfig, RMDataConfig, SFTDataConfig
+from hflow.utils.dataset.config import DataConfig, DPODataConfig, RMDataConfig, SFTDataConfig
 from hflow.utils.tracking import check_backends
-from hflow.workers.config import ActorRolloutRefConfig, CheckpointConfig, FSDPConfig, OptimConfig
+from hflow.workers.config import ActorRolloutRefConfig, CheckpointConfig, DPOConfig, FSDPConfig, OptimConfig
 from hflow.workers.critic.config import CriticConfig
 from hflow.workers.teacher.config import TeacherConfig
 
 __all__ = [
+    "DPOTrainerConfig",
     "PPOTrainerConfig",
     "RMTrainerConfig",
     "SCHEMAS",
@@ -108,7 +109,7 @@ class PPOTrainerConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where model-written code runs
 
 
-# ---- the supervised stages (config/sft_trainer.yaml, config/rm_trainer.yaml; comments there) ------
+# ---- the supervised stages (config/{sft,rm,dpo}_trainer.yaml; comments there) ------
 
 
 @dataclass
@@ -178,7 +179,17 @@ class RMTrainerConfig(StageConfig):
     trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(experiment_name="rm"))
 
 
-SCHEMAS = {"ppo_trainer": PPOTrainerConfig, "sft_trainer": SFTTrainerConfig, "rm_trainer": RMTrainerConfig}
+@dataclass
+class DPOTrainerConfig(StageConfig):
+    """config/dpo_trainer.yaml"""
+
+    data: DPODataConfig = field(default_factory=DPODataConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    trainer: StageTrainerConfig = field(default_factory=lambda: StageTrainerConfig(experiment_name="dpo"))
+
+
+SCHEMAS = {"ppo_trainer": PPOTrainerConfig, "sft_trainer": SFTTrainerConfig, "rm_trainer": RMTrainerConfig,
+           "dpo_trainer": DPOTrainerConfig}
 
 
 def default_config(schema: type = PPOTrainerConfig) -> DictConfig:

@@ -1,9 +1,10 @@
-"""`SupervisedTrainer`: the single controller of the supervised stages, SFT (`main_sft`) and reward-model
-training (`main_rm`), on the same machinery as PPO: a worker group on Ray (or the local backend), FSDP2
-workers, resumable data order, step checkpoints, the loggers, and a Hugging Face folder at the end.
+"""`SupervisedTrainer`: the single controller of the supervised stages, SFT (`main_sft`), reward-model
+training (`main_rm`) and DPO (`main_dpo`), on the same machinery as PPO: a worker group on Ray (or the
+local backend), FSDP2 workers, resumable data order, step checkpoints, the loggers, and a Hugging Face
+folder at the end.
 
     for each step:
-        batch   = next global batch of demonstrations / preference groups
+        batch   = next global batch of demonstrations / preference groups / preference pairs
         metrics = workers.train_step(batch)              # one optimizer step, loss normalised globally
         every trainer.test_freq steps and at the end: workers.evaluate(validation set)
         every trainer.save_freq steps: checkpoint (model, optimizer, scheduler, RNG, data position)
@@ -28,7 +29,7 @@ from hflow.trainer.ppo.metric_utils import reduce_metrics
 from hflow.utils.tracking import Tracking, check_backends
 from hflow.workers.supervised_workers import StageWorker
 
-__all__ = ["SFTTrainer", "RewardModelTrainer", "check_stage_config"]
+__all__ = ["DPOTrainer", "SFTTrainer", "RewardModelTrainer", "check_stage_config"]
 
 
 def check_stage_config(config: DictConfig, stage: str) -> None:
@@ -51,12 +52,16 @@ def check_stage_config(config: DictConfig, stage: str) -> None:
             raise ConfigError(f"trainer.backend=local runs one rank, but trainer.n_gpus_per_node x trainer.nnodes = "
                               f"{world}; set trainer.n_gpus_per_node=1 trainer.nnodes=1")
     errors.run(check_choice, data.truncation, ("error", "right" if stage == "sft" else "left"), "data.truncation")
+    if stage == "dpo":
+        from hflow.workers.config import check_dpo
+
+        errors.run(check_dpo, config.dpo)
     sizes_ok = True
     for key in ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "trainer.total_epochs"):
         sizes_ok &= errors.run(check_positive, OmegaConf.select(config, key), key)
     if not world_errors:
         errors.run(check_node_resources, config)
-    unit = "conversations" if stage == "sft" else "preference rows"
+    unit = {"sft": "conversations", "rm": "preference rows", "dpo": "preference pairs"}[stage]
     with errors.catch():
         if not world_errors and sizes_ok and int(data.train_batch_size) % world:
             raise ConfigError(f"data.train_batch_size={data.train_batch_size} {unit} do not split evenly over {world} "
@@ -256,10 +261,31 @@ class RewardModelTrainer(SupervisedTrainer):
                 "val/score_std": scores.std().item()}
 
 
+class DPOTrainer(SupervisedTrainer):
+    stage = "dpo"
+
+    @property
+    def worker_cls(self):
+        from hflow.workers.supervised_workers import DPOWorker
+
+        return DPOWorker
+
+    def batch_counts(self, batch: DataProto) -> dict:
+        return {"global_num_pairs": len(batch) // 2}
+
+    def val_metrics(self, batch: DataProto, output: DataProto) -> dict[str, float]:
+        from hflow.workers.supervised_workers import dpo_loss
+
+        dpo = self.config.dpo
+        losses, stats = dpo_loss(output.batch["logps"].view(-1, 2), output.batch["ref_logps"].view(-1, 2), dpo.beta,
+                                 dpo.loss_type, dpo.label_smoothing)
+        return {"val/loss": losses.mean().item(), **{f"val/{name}": value.mean().item() for name, value in stats.items()}}
+
 
 # ---------------------------------------------------------------------------------------- entry points
 
-STAGES = {"sft": (SFTTrainer, "builtin_sft.yaml"), "rm": (RewardModelTrainer, "builtin_rm.yaml")}
+STAGES = {"sft": (SFTTrainer, "builtin_sft.yaml"), "rm": (RewardModelTrainer, "builtin_rm.yaml"),
+          "dpo": (DPOTrainer, "builtin_dpo.yaml")}
 
 
 def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> None:
@@ -272,7 +298,7 @@ def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: froze
         from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 
         data = ensure_rlhf_task_data()
-        return (data.sft_train, data.sft_val) if stage == "sft" else (data.rm_train, data.rm_val)
+        return (data.sft_train, data.sft_val) if stage == "sft" else (data.rm_train, data.rm_val)  # RM and DPO: the pairs
 
     fill_builtin_paths(config, "model.path", files, STAGES[stage][1], default_config(SCHEMAS[f"{stage}_trainer"]),
                        user_keys)
@@ -281,8 +307,10 @@ def fill_builtin_stage_defaults(config: DictConfig, stage: str, user_keys: froze
 def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
     """Tokenizer and both datasets, tokenised on the driver: bad data stops here, before any worker."""
     from hflow.utils.dataset.supervised import (
+        DPODataset,
         PreferenceDataset,
         SFTDataset,
+        pair_collate_fn,
         preference_collate_fn,
         sft_collate_fn,
     )
@@ -291,6 +319,8 @@ def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
     tokenizer = load_tokenizer(config.model, "model")
     if stage == "sft":
         dataset_cls, collate = SFTDataset, sft_collate_fn(tokenizer.pad_token_id)
+    elif stage == "dpo":
+        dataset_cls, collate = DPODataset, pair_collate_fn(tokenizer.pad_token_id)
     else:
         dataset_cls, collate = PreferenceDataset, preference_collate_fn(tokenizer.pad_token_id)
     train = dataset_cls(config.data.train_files, tokenizer, config.data, files_key="data.train_files")
@@ -302,7 +332,7 @@ def build_stage_trainer(config: DictConfig, stage: str) -> SupervisedTrainer:
 
 
 def run_stage(config: DictConfig, stage: str, user_keys: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Check, build and train one supervised stage (`sft` or `rm`); returns the last validation metrics."""
+    """Check, build and train one supervised stage (`sft`, `rm` or `dpo`); returns the last validation metrics."""
     from hflow.trainer.config import SCHEMAS, validate_config
     from hflow.trainer.main_ppo import train
 

@@ -1,6 +1,7 @@
 """The workers' config sections and their rules: what every model section shares (`optim`, `fsdp_config`,
 `checkpoint`, the batch-size rules), `actor_rollout_ref` (model, actor, ref; the rollout section is
-`hflow.workers.rollout.config`'s) with its per-rank normalisation, and the reward model worker's.
+`hflow.workers.rollout.config`'s) with its per-rank normalisation, the reward model worker's, and DPO's
+loss (`dpo`, a section of the DPO stage).
 Typed defaults here; comments in `config/ppo_trainer.yaml`.
 
 Batch sizes are given globally in prompts (`ppo_mini_batch_size`) and per device in sequences
@@ -514,3 +515,33 @@ def normalize_reward_model(config: DictConfig) -> DictConfig:
     check_model_path(cfg.model.path, "reward_model.model.path")
     check_positive(cfg.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
     return cfg
+
+
+# ==================================================================================================
+# DPO's loss (the `dpo` section of config/dpo_trainer.yaml; the loss: supervised_workers.dpo_loss)
+# ==================================================================================================
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1  # how far from the reference the policy may move: rewards are beta x log-ratios
+    loss_type: str = "sigmoid"  # sigmoid (DPO; with label_smoothing: cDPO) | ipo
+    label_smoothing: float = 0.0  # cDPO: the assumed share of flipped labels, in [0, 0.5); sigmoid only
+
+
+def check_dpo(dpo: Any) -> None:
+    """`dpo.beta` > 0, a known loss, label smoothing in [0, 0.5) and only where the loss reads it."""
+    errors = ConfigErrors()
+    errors.run(check_positive_number, dpo.beta, "dpo.beta", "the strength of the pull towards the reference")
+    errors.run(check_choice, dpo.loss_type, DPO_LOSS_TYPES, "dpo.loss_type")
+    with errors.catch():
+        smoothing = float(dpo.label_smoothing)
+        if not 0.0 <= smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5) (the assumed share of flipped labels; 0.5 "
+                              f"would make every pair a coin flip), got {dpo.label_smoothing}")
+        if smoothing and dpo.loss_type != "sigmoid":
+            raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing} is cDPO's, a form of the sigmoid loss; "
+                              f"dpo.loss_type={dpo.loss_type} does not read it: set it to 0 or use loss_type=sigmoid")
+    errors.raise_any()

@@ -1,5 +1,6 @@
-"""Workers of the supervised stages: `SFTWorker` (causal LM on demonstrations) and `RewardModelTrainWorker`
-(a sequence classifier on preferences).
+"""Workers of the supervised stages: `SFTWorker` (causal LM on demonstrations), `RewardModelTrainWorker`
+(a sequence classifier on preferences) and `DPOWorker` (a causal LM on preference pairs, against a frozen
+copy of itself).
 
 Both hold one FSDP2 model with AdamW and a scheduler, like the PPO actor, and scale their losses the way
 the actor does (see `hflow.workers.actor.dp_actor`): a micro-batch's loss is its summed per-token (or
@@ -30,7 +31,7 @@ from hflow.workers.common import load_tokenizer, memory_metrics
 from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, save_hf_model
 from hflow.workers.fsdp_workers import FSDPModelHolder, last_token_scores
 
-__all__ = ["SFTWorker", "RewardModelTrainWorker", "last_token_scores"]
+__all__ = ["DPOWorker", "SFTWorker", "RewardModelTrainWorker", "dpo_loss", "last_token_scores"]
 
 _SCORE_HEAD_SEED = 2024
 
@@ -137,12 +138,13 @@ class SFTWorker(StageWorker):
             trust_remote_code=model_cfg.trust_remote_code, attn_implementation=model_cfg.attn_implementation,
             rank0_only=True)
 
-    def _token_nll(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nll, mask), each (B, T-1): the loss of predicting token t+1 at position t, where it is trained."""
+    def _token_nll(self, micro: dict, module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nll, mask), each (B, T-1): the loss of predicting token t+1 at position t, where it is trained,
+        under `module` (default: the trained model)."""
         mask = micro["loss_mask"][:, 1:]
         # The LM head runs only at positions where some row has a target (prompts cost no logits).
         positions = mask.any(0).nonzero().squeeze(-1)
-        logits = self.module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+        logits = (module or self.module)(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                              position_ids=micro["position_ids"], use_cache=False, logits_to_keep=positions).logits
         from hflow.utils.torch_functional import logprobs_from_logits
 
@@ -239,6 +241,104 @@ class RewardModelTrainWorker(StageWorker):
             scores = [self._scores(micro).cpu() for micro in self._micro_batches(data)]
         self._offload(self.module, None, self._offload_param, False)
         return DataProto.from_dict({"scores": torch.cat(scores)})
+
+
+class DPOWorker(SFTWorker):
+    """Direct preference optimisation (Rafailov et al. 2023): the policy, trained, and the reference, the
+    same starting weights frozen. A batch is pairs, chosen at row 2g and rejected at 2g+1; each reply's
+    log-probability is summed over its tokens (`loss_mask`), under both models. The reference's come from
+    one no-grad pass over this rank's whole batch before the policy's micro-batches (it never changes, so
+    no pass is repeated), then `dpo_loss` per pair, normalised over the global batch's pairs."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hflow.workers import fsdp
+
+        super().init_model()
+        model_cfg = self.config.model
+        ref = fsdp.load_causal_lm(
+            model_cfg.path, dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
+            override_config=model_cfg.override_config, trust_remote_code=model_cfg.trust_remote_code,
+            attn_implementation=model_cfg.attn_implementation, rank0_only=True)
+        self.ref_module, _, _ = self._build_trainable(ref, model_cfg.fsdp_config, None, gradient_checkpointing=False,
+                                                      train=False)
+        self.ref_module.eval()
+        self._offload(self.ref_module, None, self._offload_param, False)
+
+    def _reply_logps(self, micro: dict, module: torch.nn.Module) -> torch.Tensor:
+        """(B,) each row's reply log-probability: the sum over its `loss_mask` tokens."""
+        nll, mask = self._token_nll(micro, module)
+        return -(nll * mask).sum(-1)
+
+    def _ref_logps(self, data: DataProto) -> list[torch.Tensor]:
+        from hflow.workers.fsdp import no_grad_pass
+
+        self._onload(self.ref_module, None, self._offload_param, False)
+        with no_grad_pass(self.ref_module):
+            logps = [self._reply_logps(micro, self.ref_module).float()
+                     for micro in self._micro_batches(data, rows_per_item=2)]
+        self._offload(self.ref_module, None, self._offload_param, False)
+        return logps
+
+    def _accumulate_gradients(self, data: DataProto) -> dict[str, list[float]]:
+        dpo = self.config.dpo
+        scale = self.world_size / float(data.meta_info["global_num_pairs"])
+        ref_logps = self._ref_logps(data)
+        sums: dict[str, float] = {}
+        for micro, ref in zip(self._micro_batches(data, rows_per_item=2), ref_logps, strict=True):
+            policy = self._reply_logps(micro, self.module).float()
+            losses, stats = dpo_loss(policy.view(-1, 2), ref.view(-1, 2), dpo.beta, dpo.loss_type, dpo.label_smoothing)
+            loss = losses.sum() * scale
+            loss.backward()
+            for name, values in {"loss": losses, **stats}.items():
+                sums[f"train/{name}"] = sums.get(f"train/{name}", 0.0) + values.detach().sum().item() * scale
+        # this rank's sums x ranks / global pairs: the driver's mean over ranks is the global batch's mean
+        return {name: [value] for name, value in sums.items()}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def evaluate(self, data: DataProto) -> DataProto:
+        """Per row: its reply's log-probability under the policy and the reference (`logps`, `ref_logps`);
+        the driver pairs the rows up, so padding rows for an uneven split cannot break a pair."""
+        from hflow.workers.fsdp import no_grad_pass
+
+        self._onload(self.module, None, self._offload_param, False)
+        self.module.eval()
+        with no_grad_pass(self.module):
+            logps = [self._reply_logps(micro, self.module).float().cpu() for micro in self._micro_batches(data)]
+        self._offload(self.module, None, self._offload_param, False)
+        self._onload(self.ref_module, None, self._offload_param, False)
+        with no_grad_pass(self.ref_module):
+            ref_logps = [self._reply_logps(micro, self.ref_module).float().cpu() for micro in self._micro_batches(data)]
+        self._offload(self.ref_module, None, self._offload_param, False)
+        return DataProto.from_dict({"logps": torch.cat(logps), "ref_logps": torch.cat(ref_logps)})
+
+
+def dpo_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO's loss per pair and the metrics users read, from (P, 2) reply log-probabilities, chosen in
+    column 0 and rejected in column 1, under the policy and the reference.
+
+    The implicit reward of a reply is beta x (log pi(y|x) - log pi_ref(y|x)); with
+    h = its log-ratio for the chosen minus that for the rejected reply:
+
+        sigmoid  -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (DPO; eps > 0: cDPO, labels
+                                                                              flipped with probability eps)
+        ipo      (h - 1 / (2 beta))^2                                        (IPO, Azar et al. 2023)
+    """
+    log_ratios = policy_logps - ref_logps
+    h = log_ratios[:, 0] - log_ratios[:, 1]
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}")
+    rewards = beta * log_ratios.detach()
+    return losses, {
+        "rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
+        "rewards/margins": rewards[:, 0] - rewards[:, 1],
+        "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float(),  # strictly: a tie (step 0) is not right
+        "logps/chosen": policy_logps[:, 0].detach(), "logps/rejected": policy_logps[:, 1].detach()}
 
 
 def preference_stats(scores: torch.Tensor, preferred: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Bad inputs a new user gives the three entry points (main_ppo, main_sft, main_rm), and how each run ends:
+"""Bad inputs a new user gives the entry points (main_ppo, main_sft, main_rm, main_dpo), and how each run ends:
 with one `hflow: error: ...` line, the last of stderr, naming the key, file or sample and saying what to
 change; no traceback; before any worker, model or Ray starts (`train` is never reached).
 
@@ -26,6 +26,7 @@ from hflow.tasks.rlhf_task import ensure_rlhf_task_data
 from tests.conftest import REPO_ROOT
 
 PPO, SFT, RM = "hflow.trainer.main_ppo", "hflow.trainer.main_sft", "hflow.trainer.main_rm"
+DPO = "hflow.trainer.main_dpo"
 GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn.enable=true"
 
@@ -51,6 +52,9 @@ def files(tmp_path_factory) -> Path:
     (root / "folder.parquet").mkdir()
     pq.write_table(pa.Table.from_pylist([{"prompt": "a question"}] * 8), root / "sft_no_response.parquet")
     pq.write_table(pq.read_table(stages.rm_train).drop(["rejected"]), root / "rm_no_rejected.parquet")
+    pairs = pq.read_table(stages.rm_train).to_pylist()[:20]
+    pq.write_table(pa.Table.from_pylist([{**row, "rejected": row["chosen"]} if i in (4, 9) else row
+                                         for i, row in enumerate(pairs)]), root / "dpo_identical.parquet")
     model = Path(assets.model_path)
     for name, config_text in (("no_tokenizer", (model / "config.json").read_text()), ("bad_json", "{not json")):
         (root / name).mkdir()
@@ -173,6 +177,14 @@ CASES = [
     ("rm-resume-from-incomplete-checkpoint", RM,
      ["trainer.resume_mode=resume_path", "trainer.resume_from_path={files}/checkpoints/global_step_5"],
      ["trainer.resume_from_path", "no data/state.pt"]),
+    ("dpo-no-rejected-column", DPO, ["data.train_files={files}/rm_no_rejected.parquet"],
+     ["rm_no_rejected.parquet", "'rejected'", "data.rejected_key"]),
+    ("dpo-identical-pairs", DPO, ["data.train_files={files}/dpo_identical.parquet"],
+     ["dpo_identical.parquet", "2 of 20 rows", "identical (rows 4, 9)"]),
+    ("dpo-zero-beta", DPO, ["dpo.beta=0"], ["dpo.beta", "> 0"]),
+    ("dpo-unknown-loss", DPO, ["dpo.loss_type=hinge"], ["dpo.loss_type", "ipo"]),
+    ("dpo-smoothing-with-ipo", DPO, ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"],
+     ["dpo.label_smoothing=0.1", "loss_type=sigmoid"]),
 ]
 
 

@@ -1,5 +1,5 @@
 """The `data` sections: PPO's prompts (`config/ppo_trainer.yaml`) and the supervised stages' sequences
-(`config/sft_trainer.yaml`, `config/rm_trainer.yaml`), their typed defaults (comments in the YAML) and
+(`config/sft_trainer.yaml`, `config/rm_trainer.yaml`, `config/dpo_trainer.yaml`), their typed defaults (comments in the YAML) and
 their checks."""
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class RMDataConfig(StageDataConfig):
     rejected_key: str = "rejected"
     responses_key: str = "responses"
     label_key: str = "label"
+
+
+@dataclass
+class DPODataConfig(StageDataConfig):
+    chosen_key: str = "chosen"  # text, or chat messages ending with the assistant's reply
+    rejected_key: str = "rejected"
 
 
 def data_files(value: Any) -> list[str]:

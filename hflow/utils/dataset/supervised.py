@@ -1,4 +1,5 @@
-"""Datasets of the supervised stages: demonstrations (SFT) and preferences (reward model).
+"""Datasets of the supervised stages: demonstrations (SFT), preferences (reward model) and preference
+pairs for DPO.
 
 Both tokenise every row when built, on the driver, so that bad data stops the run before any worker or
 model starts, with the file, the column and the row named. A response is encoded the way the policy
@@ -12,6 +13,11 @@ exactly the token layout it scores in PPO, and the SFT policy learns to stop whe
 * `PreferenceDataset`: ``prompt``, ``chosen``, ``rejected`` (pairwise), or ``prompt``, ``responses`` (a
   list of K texts) and ``label`` (the index of the preferred one; lm-human-preferences' K-way form).
   A row is a group of K sequences, the preferred one first-class in ``preferred_mask``.
+* `DPODataset`: ``chosen`` and ``rejected``, each a text after a ``prompt`` column, or chat messages
+  ending with the assistant's reply (after the prompt column if there is one and they do not already
+  start with it; without it the messages before the reply are the prompt, and must be the same in both). A row is two sequences, chosen first,
+  with ``loss_mask`` on the reply's tokens (what DPO's log-probabilities sum over). Rows whose two replies
+  are identical stop the run, counted and named: they carry no preference.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from torch.utils.data import Dataset
 from hflow.utils.dataset.rl_dataset import resolve_files, apply_chat_template, read_parquet
 from hflow.utils.errors import ConfigError, DataError
 
-__all__ = ["PreferenceDataset", "SFTDataset", "encode_turn", "sft_collate_fn", "preference_collate_fn"]
+__all__ = ["DPODataset", "PreferenceDataset", "SFTDataset", "encode_turn", "pair_collate_fn", "preference_collate_fn",
+           "sft_collate_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,5 +262,96 @@ def preference_collate_fn(pad_token_id: int):
         preferred[torch.tensor([g * k + item["label"] for g, item in enumerate(items)])] = 1
         return {"input_ids": ids, "attention_mask": attention, "position_ids": _position_ids(attention),
                 "preferred_mask": preferred}
+
+    return collate
+
+
+class DPODataset(Dataset):
+    """Preference pairs: per row the chosen and the rejected reply to one conversation, each encoded as PPO
+    sees a response (`encode_turn`), with `loss_mask` 1 on the reply's tokens through its end-of-turn token."""
+
+    def __init__(self, data_files: Any, tokenizer, config, files_key: str = "data.train_files"):
+        self.tokenizer = tokenizer
+        _use_chat_template(tokenizer, config.chat_template)
+        self.pairs: list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]] = []
+        for path in resolve_files(data_files, files_key):
+            self._read(path, files_key, config)
+
+    def _read(self, path: str, files_key: str, cfg) -> None:
+        table = read_parquet(path, files_key)
+        if table.num_rows == 0:
+            raise DataError(f"{files_key}: {path} has no rows")
+        _check_columns(table, [cfg.chosen_key, cfg.rejected_key], path, files_key,
+                       f"DPO needs the preferred reply in {cfg.chosen_key!r} and the other in {cfg.rejected_key!r} (text "
+                       f"after a {cfg.prompt_key!r} column, or chat messages ending with the reply); rename with "
+                       "data.chosen_key / data.rejected_key")
+        has_prompt = cfg.prompt_key in table.column_names
+        prompts = table.column(cfg.prompt_key).to_pylist() if has_prompt else [None] * table.num_rows
+        identical = []
+        for i, (prompt, chosen, rejected) in enumerate(zip(prompts, table.column(cfg.chosen_key).to_pylist(),
+                                                           table.column(cfg.rejected_key).to_pylist())):
+            where = f"{path} row {i}"
+            context, chosen_reply = self._conversation(prompt, chosen, f"{where} column {cfg.chosen_key!r}", cfg)
+            other, rejected_reply = self._conversation(prompt, rejected, f"{where} column {cfg.rejected_key!r}", cfg)
+            if other != context:
+                raise DataError(f"{where}: the conversation before the reply differs between {cfg.chosen_key!r} and "
+                                f"{cfg.rejected_key!r}; a pair is two replies to the same prompt")
+            if chosen_reply == rejected_reply:
+                identical.append(i)  # no preference to learn: counted and refused below, never trained on
+                continue
+            self.pairs.append((self._encode(context, chosen_reply, where, cfg),
+                               self._encode(context, rejected_reply, where, cfg)))
+        if identical:
+            shown = ", ".join(map(str, identical[:10])) + (", ..." if len(identical) > 10 else "")
+            raise DataError(f"{files_key}: {path} has {len(identical)} of {table.num_rows} rows whose {cfg.chosen_key!r} "
+                            f"and {cfg.rejected_key!r} replies are identical (rows {shown}); a pair needs two different "
+                            "replies: remove those rows")
+
+    def _conversation(self, prompt: Any, response: Any, where: str, cfg) -> tuple[list[dict[str, str]], str]:
+        """(the messages before the reply, the reply's text) of one cell."""
+        if isinstance(response, str):
+            if prompt is None:
+                raise DataError(f"{where}: a text reply needs the prompt in a {cfg.prompt_key!r} column (data.prompt_key), "
+                                "or give chat messages that end with the reply")
+            return _as_chat(prompt, f"{where} (prompt)"), response
+        messages = _as_chat(response, where) if isinstance(response, (list, tuple, np.ndarray)) else None
+        if not messages or messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str):
+            raise DataError(f"{where}: a reply must be a text or chat messages ending with an assistant message, "
+                            f"got {type(response).__name__}")
+        context = messages[:-1]
+        if prompt is not None:
+            prompt_chat = _as_chat(prompt, f"{where} (prompt)")
+            if context[: len(prompt_chat)] != prompt_chat:  # the messages continue the prompt (else they repeat
+                context = prompt_chat + context            # it, as UltraFeedback's do: not twice)
+        if not context:
+            raise DataError(f"{where}: the messages hold only the reply; give the prompt in a {cfg.prompt_key!r} column "
+                            "or as the messages before the reply")
+        return context, messages[-1]["content"]
+
+    def _encode(self, context: list[dict[str, str]], reply: str, where: str, cfg) -> tuple[list[int], list[int]]:
+        prefix, reply_ids = encode_turn(self.tokenizer, context, reply, where)
+        # left truncation keeps the replies, which are what is being compared
+        ids = _fit(prefix + reply_ids, cfg.max_length, cfg.truncation, where, keep="left")
+        return ids, ([0] * len(prefix) + [1] * len(reply_ids))[-len(ids):]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"pair": self.pairs[index]}
+
+
+def pair_collate_fn(pad_token_id: int):
+    """Pairs flattened row-wise (pair g's chosen is row 2g, its rejected row 2g+1), right-padded, with
+    `loss_mask` on each reply's tokens."""
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [row for item in items for row in item["pair"]]
+        ids, attention = _pad_right([row_ids for row_ids, _ in rows], pad_token_id)
+        loss_mask = torch.zeros_like(ids)
+        for i, (_, mask) in enumerate(rows):
+            loss_mask[i, : len(mask)] = torch.tensor(mask)
+        return {"input_ids": ids, "attention_mask": attention, "position_ids": _position_ids(attention),
+                "loss_mask": loss_mask}
 
     return collate
