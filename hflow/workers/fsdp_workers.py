@@ -59,6 +59,8 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
 def engine_idle_metrics(engine: int, idle_s: float, window_s: float) -> dict[str, float]:
     """An engine's idle seconds (no request running) in a window of `window_s`, and their share; per engine and
     under the plain names, which the trainer averages over engines."""
+    # idle and window are read from separate clock calls, so idle can pass the window by microseconds
+    idle_s = min(idle_s, window_s) if window_s > 0 else idle_s
     share = idle_s / window_s if window_s > 0 else 0.0
     return {"perf/rollout_idle_s": idle_s, "perf/rollout_idle_share": share,
             f"perf/rollout_idle_s/engine{engine}": idle_s, f"perf/rollout_idle_share/engine{engine}": share}

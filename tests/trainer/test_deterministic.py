@@ -81,14 +81,16 @@ def run_twice(tmp_path: Path, *overrides: str) -> list[Path]:
     command = [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=grpo", "trainer.backend=local",
                "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.save_freq=2",
                "trainer.test_freq=2", *overrides]
-    dirs = []
-    for name in ("first", "second"):
-        run_dir = tmp_path / name
+    dirs = [tmp_path / "first", tmp_path / "second"]
+    runs = []
+    for run_dir in dirs:  # side by side (one torch thread each by default on CPU): they must agree whatever else runs
         run_dir.mkdir()
-        run = subprocess.run(command, cwd=run_dir, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True,
-                             text=True, timeout=900)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-        dirs.append(run_dir)
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
+        runs.append(subprocess.Popen(command, cwd=run_dir, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for run in runs:
+        out, err = run.communicate(timeout=900)
+        assert run.returncode == 0, out[-2000:] + err[-4000:]
     return dirs
 
 
