@@ -13,7 +13,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from hflow.config_schema import ConfigError, check_positive, ref
-from hflow.workers.config import check_model_path, check_offload, check_tokenizer_path, resolved_copy
+from hflow.utils import device
+from hflow.workers.config import (CPU_TOKEN_BUDGET, check_model_path, check_offload, check_tokenizer_path,
+                                  resolved_copy)
 
 
 @dataclass
@@ -23,7 +25,7 @@ class TeacherModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = ref("actor_rollout_ref.model.attn_implementation")
-    use_remove_padding: bool = ref("actor_rollout_ref.model.use_remove_padding")
+    use_remove_padding: Optional[bool] = ref("actor_rollout_ref.model.use_remove_padding")  # None = by device
 
 
 @dataclass
@@ -38,8 +40,8 @@ class TeacherFSDPConfig:
 class TeacherConfig:
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     log_prob_micro_batch_size_per_gpu: int = 16
-    log_prob_use_dynamic_bsz: bool = ref("actor_rollout_ref.actor.use_dynamic_bsz")
-    log_prob_max_token_len_per_gpu: int = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")  # None = by device
+    log_prob_max_token_len_per_gpu: Optional[int] = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     temperature: float = ref("actor_rollout_ref.rollout.temperature")
     fsdp_config: TeacherFSDPConfig = field(default_factory=TeacherFSDPConfig)
 
@@ -99,6 +101,13 @@ def normalize_teacher(config: DictConfig) -> DictConfig:
     """The worker's copy of the section, checked again where it runs."""
     cfg = resolved_copy(config)
     check_model_path(cfg.model.path, "teacher.model.path")
+    # the student's keys left to the device (the trainer resolves them at start; a caller of its own may not)
+    if cfg.model.use_remove_padding is None:
+        cfg.model.use_remove_padding = device.is_cuda()
+    if cfg.log_prob_use_dynamic_bsz is None:
+        cfg.log_prob_use_dynamic_bsz = device.is_cuda()
+    if cfg.log_prob_max_token_len_per_gpu is None:
+        cfg.log_prob_max_token_len_per_gpu = CPU_TOKEN_BUDGET
     if not cfg.log_prob_use_dynamic_bsz:
         check_positive(cfg.log_prob_micro_batch_size_per_gpu, "teacher.log_prob_micro_batch_size_per_gpu")
     check_offload(cfg.fsdp_config, "teacher.fsdp_config")
