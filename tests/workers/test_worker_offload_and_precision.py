@@ -6,7 +6,6 @@ tests watch the offload helpers being called (spies that call through) around th
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
