@@ -24,7 +24,7 @@ from tests.workers import agent_env_helpers as helpers
 from tests.workers.test_multi_turn_rollout import Recorder, end_turns_often
 from tests.workers.test_rollout import make_prompts, push, rollout_config
 
-RESPONSE_LENGTH = 128
+RESPONSE_LENGTH = 192
 MAX_TURNS = 6
 HANG_S = 3.0
 ENV_TIMEOUT_S = 1.0
@@ -62,6 +62,10 @@ ROWS = [
     ("Count with me.", "counter_env", {"start": 10, "limit": 3, "first_observation": True}, None),
     ("Count again.", "other", {"start": 0, "limit": 2}, "counter"),  # chosen by agent_name
     ("Guess a number.", "plain", {"interaction_kwargs": {"name": "guess", "rounds": 2}}, None),
+    # more simulated-user episodes: the random tiny model's turn can run to the length limit before the user
+    # ends it, so a batch with only two of them saw none end by the interaction about one time in four
+    ("Guess once.", "plain", {"interaction_kwargs": {"name": "guess", "rounds": 1}}, None),
+    ("Guess again.", "plain", {"interaction_kwargs": {"name": "guess", "rounds": 1}}, None),
     ("Break.", "counter_env", {"fail_at": 1}, None),
     ("Hang.", "counter_env", {"hang_at": 1}, None),
     ("Garble.", "counter_env", {"malformed_at": 1}, None),

@@ -75,7 +75,8 @@ class RowRouter:
         self._account_all()
         now, before = time.perf_counter(), self.last_collect[1]
         window = now - self.last_collect[0]
-        idle = [after - start for after, start in zip(self.idle_s, before)]
+        # at most the window: the idle clock and the window's are read apart (tens of nanoseconds)
+        idle = [min(after - start, window) for after, start in zip(self.idle_s, before)]
         self.last_collect = (now, list(self.idle_s))
         rows_per_engine = [0] * self.engines
         for engine in entry.engine_of.values():
