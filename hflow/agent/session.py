@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hflow.agent.chat import truncate_text
-from hflow.agent.tools import BaseTool, ToolOutcome, create_instance, malformed_outcome, run_in_thread, run_tool_call
+from hflow.agent.tools import (BaseTool, ToolOutcome, create_instance, finished_within, malformed_outcome,
+                               run_in_thread, run_tool_call)
 
 __all__ = ["EpisodeSession", "Reply", "bounded"]
 
-# After a deadline the call is cancelled; its cleanup gets this long before it is abandoned.
-CANCEL_GRACE_S = 1.0
 MESSAGE_CHARS = 300
 
 
@@ -57,15 +56,7 @@ async def bounded(fn: Any, /, *args: Any, timeout_s: float, **kwargs: Any) -> tu
         return await result if inspect.isawaitable(result) else result
 
     task = asyncio.ensure_future(call())
-    try:
-        await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-        task.add_done_callback(_consume)
+    if not await finished_within(task, timeout_s):
         return "timeout", f"{_name(fn)} did not return within {timeout_s:g} s"
     try:
         return None, task.result()
@@ -305,8 +296,3 @@ def _clip(value: Any) -> str:
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def _consume(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()

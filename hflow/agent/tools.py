@@ -42,6 +42,7 @@ __all__ = [
     "ToolError",
     "ToolOutcome",
     "create_instance",
+    "finished_within",
     "malformed_outcome",
     "run_in_thread",
     "run_tool_call",
@@ -307,16 +308,7 @@ async def _run_call(tools: Mapping[str, BaseTool], call: ToolCall, tools_kwargs:
     else:
         task = asyncio.ensure_future(_create_execute_release(
             tool, dict(call.arguments), row.get("create_kwargs") or {}, row.get("execute_kwargs") or {}))
-    try:
-        await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not task.done():
-        task.cancel()
-        # Let the tool's finally (release) run, but do not wait on a tool that ignores the cancellation.
-        await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
-        task.add_done_callback(_retrieve)
+    if not await finished_within(task, timeout_s):
         return outcome(_error_text(f"the call to {call.name} timed out after {timeout_s:g} s"), "timeout")
     try:
         text, reward, metrics = task.result()
@@ -356,6 +348,23 @@ async def _execute(tool: BaseTool, instance_id: str, arguments: dict, execute_kw
         return _as_text("" if text is None else text), float(reward or 0.0), dict(metrics or {})
     raise TypeError(f"{type(tool).__name__}.execute returned {type(result).__name__}, "
                     "not a tuple (text, reward, metrics)")
+
+
+async def finished_within(task: asyncio.Future, timeout_s: float) -> bool:
+    """Whether `task` (a call into user code) finished within `timeout_s`. If not it is cancelled, its
+    cleanup (a tool's release in its finally) gets a short grace, and it is abandoned, never awaited again;
+    a cancellation of the caller cancels it too."""
+    try:
+        await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
+    task.add_done_callback(_retrieve)
+    return False
 
 
 def _retrieve(task: asyncio.Future) -> None:
