@@ -223,6 +223,10 @@ RANGES = [
     (["trainer.critic_warmup=-1"], ["trainer.critic_warmup"]),
     (["trainer.log_val_generations=-1"], ["trainer.log_val_generations"]),
     (["ray_init.num_cpus=0"], ["ray_init.num_cpus"]),
+    # the update path's keys (issue 33)
+    (["actor_rollout_ref.actor.optim.kernel=fast"], ["actor_rollout_ref.actor.optim.kernel", "fast"]),
+    (["critic.optim.kernel=fast"], ["critic.optim.kernel", "fast"]),
+    (["actor_rollout_ref.model.logit_block_elements=0"], ["actor_rollout_ref.model.logit_block_elements"]),
 ]
 
 
