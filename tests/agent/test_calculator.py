@@ -9,6 +9,8 @@ import pytest
 
 from hflow.agent.calculator import MAX_DIGITS, evaluate
 
+pytestmark = pytest.mark.alone  # a refusal's speed is measured in wall time
+
 
 @pytest.mark.parametrize("expression, value", [
     ("37 * 86", "3182"),

@@ -12,6 +12,8 @@ from hflow.sandbox import SandboxResult
 from hflow.utils.errors import ConfigError
 from tests.sandbox.refusal import allow_unisolated_where_refused, refuse_namespaces
 
+pytestmark = pytest.mark.alone  # the sandbox's wall-time limit
+
 
 @pytest.fixture(autouse=True)
 def _unisolated_where_refused(monkeypatch):

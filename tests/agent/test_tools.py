@@ -16,6 +16,8 @@ from hflow.agent.tools import (
     validate_arguments,
 )
 
+pytestmark = pytest.mark.alone  # deadlines and concurrency measured in wall time
+
 
 def schema(name, properties=None, required=None, **extra):
     parameters = {"type": "object", "properties": properties or {}, "required": required or [], **extra}

@@ -13,6 +13,8 @@ import pytest
 
 from hflow.sandbox import RemoteSandbox, SandboxLimits, make_sandbox
 
+pytestmark = pytest.mark.alone  # retries and timeouts measured in wall time
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -37,6 +37,8 @@ from hflow.sandbox import isolation, local
 from tests.sandbox import no_namespaces
 from tests.sandbox.refusal import refuse_namespaces
 
+pytestmark = pytest.mark.alone  # limits measured in wall and CPU time
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(cpu_time_s=2, wall_time_s=3, memory_mb=256, max_processes=8)
 SLACK_S = 2.5  # killing and reaping after a limit, on a busy 2-core machine

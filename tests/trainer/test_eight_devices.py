@@ -11,6 +11,8 @@ import pytest
 
 from tests.trainer.test_placement import _learned, run_builtin
 
+pytestmark = pytest.mark.alone  # eight workers and their engines need most of the machine's memory
+
 EIGHT = ("trainer.n_gpus_per_node=8", "ray_init.num_cpus=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
          "trainer.total_training_steps=4", "trainer.test_freq=4",
          "algorithm.rollout_check_freq=1")  # the sampler-vs-trainer check at every step, after every sync

@@ -5,7 +5,11 @@ engine is in tests/workers/test_rollout.py)."""
 
 import time
 
+import pytest
+
 from hflow.workers.rollout.router import RowRouter, request_seed
+
+pytestmark = pytest.mark.alone  # idle seconds measured in wall time
 
 
 def rows(count: int, tag: str = "") -> list[dict]:
