@@ -288,6 +288,7 @@ def _assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> 
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
+@pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, tmp_path):
     proc = _start(assets, tmp_path)
     try:
@@ -307,6 +308,7 @@ def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, t
     _assert_all_gone(descendants)
 
 
+@pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_ctrl_c_stops_every_worker(assets, tmp_path):
     proc = _start(assets, tmp_path)
     try:
