@@ -11,6 +11,7 @@ what is wrong.
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -174,14 +175,25 @@ def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_toke
             expect_error("changed_ids", lambda: api.completions.create(
                 model="p", prompt=ids[:-1] + [ids[-1] + 1] + sampled + [10], max_tokens=4))
             answers["completion"] = api.completions.create(model="p", prompt=ids + sampled + [10, 11], max_tokens=4)
+        elif key == 3:  # an agent that fails after a turn: its episode ends, the step goes on
+            api.chat.completions.create(model="p", messages=row["prompt"], max_tokens=2)
+            raise RuntimeError("the agent's own bug")
+        elif key == 4:  # an agent that hangs past episode_timeout_s is abandoned
+            release.wait(timeout=60)
         return None
 
     monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
-    output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
+    monkeypatch.setitem(endpoint_rollout.multi_turn.endpoint, "episode_timeout_s", 5.0)
+    release = threading.Event()
+    try:
+        output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
+    finally:
+        release.set()
     ids = [e["messages"] for e in output.non_tensor_batch["episode"]]
     assert len(ids) == len(QUESTIONS) * 4
 
     def check(name, status, *words):
+        assert name in errors, (name, [(e["ended"], e["info"]) for e in output.non_tensor_batch["episode"][:3]])
         err = errors[name]
         message = err.body["message"] if isinstance(err.body, dict) else str(err)
         assert err.status_code == status, (name, err.status_code, message)
@@ -204,6 +216,11 @@ def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_toke
     assert mask[1].sum() > 0 and (mask[1] == 0)[: int(mask[1].nonzero().max())].any()  # turn, user message, turn
     assert output.batch["responses"][2][mask[2] == 0][:2].tolist()[:2] == [10, 11]
     assert mask[0].sum() == 0 and output.non_tensor_batch["episode"][0]["num_turns"] == 0
+    episodes = output.non_tensor_batch["episode"]
+    assert episodes[3]["ended"] == "agent_error" and "the agent's own bug" in str(episodes[3]["info"])
+    assert episodes[3]["num_turns"] == 1 and mask[3].sum() > 0
+    assert episodes[4]["ended"] == "agent_timeout"
+    assert {e["ended"] for e in episodes[5:]} == {"agent_done"}
     metrics = output.meta_info["metrics"]
     assert metrics["agent/endpoint_refused/changed_history"] > 0
     assert metrics["agent/endpoint_refused/unknown_episode"] > 0
