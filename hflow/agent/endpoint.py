@@ -330,6 +330,8 @@ class Endpoint:
         if calls:
             message["tool_calls"] = calls
         record.transcript.append(_normal(message))
+        record.episode.tool_calls.extend({"name": c.name, "arguments": c.arguments, "result": None, "error": None,
+                                          "seconds": 0.0, "reward": 0.0} for c in parsed.calls)  # the agent runs them
         record.episode.messages.append({"role": "assistant", "content": text})
         finish = "length" if not result.stopped else "tool_calls" if calls else "stop"
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -359,9 +361,25 @@ class Endpoint:
                           "total_tokens": prompt_tokens + len(result.token_ids)}}
 
     def finish(self, turn: _Turn, result: TurnResult) -> None:
-        with self.lock:
-            response = turn.finish(result)
+        try:
+            with self.lock:
+                response = turn.finish(result)
+        except BaseException:
+            turn.future.set_exception(EndpointError(500, "the endpoint failed to record the turn", "internal"))
+            raise
         turn.future.set_result(response)
+
+    def abandon(self, turns: Sequence[_Turn]) -> None:
+        """Answer the requests no engine will finish (the rollout stopped): 503, so no agent waits forever."""
+        while True:
+            try:
+                turns = [*turns, self.turns.get_nowait()]
+            except queue.Empty:
+                break
+        for turn in turns:
+            if not turn.future.done():
+                turn.future.set_exception(EndpointError(503, "the rollout stopped before this request was sampled",
+                                                        "rollout_stopped"))
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -431,9 +449,9 @@ class EndpointServer:
                 return _error(JSONResponse, EndpointError(400, "the request body must be a JSON object", "invalid_json"))
             try:
                 future = submit(body, request.headers.get(EPISODE_HEADER))
+                return JSONResponse(await asyncio.wrap_future(future))
             except EndpointError as err:
                 return _error(JSONResponse, err)
-            return JSONResponse(await asyncio.wrap_future(future))
 
         async def chat(request) -> JSONResponse:
             return await answer(endpoint.chat, request)
@@ -459,7 +477,8 @@ class EndpointServer:
             raise RuntimeError(f"the agent endpoint cannot listen on {host}:{port} ({err}); set "
                                "actor_rollout_ref.rollout.multi_turn.endpoint.port=0 for a free port") from None
         self.base_url = f"http://{host}:{self.socket.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="hflow-endpoint", daemon=True)
 
@@ -502,50 +521,70 @@ def run_external_agents(endpoint: Endpoint, engine: TurnEngine, agent: Callable,
     `set_sampling(key, sampling)` gives the engine the request's temperature / top_p / seed for the next turn
     of `key`. An agent's return value is its episode's final reward (a number, or a dict with "reward";
     other keys are kept in the episode's info), credited to the episode's last sampled token."""
-    records = sorted(endpoint.records.values(), key=lambda r: r.key)
-    agents = [_Agent(r.episode_id) for r in records]
-    limit, timeout = int(config.max_concurrent_episodes), float(config.episode_timeout_s)
+    return _AgentRun(endpoint, engine, agent, rows, set_sampling, config).run()
 
-    with EndpointServer(endpoint, str(config.host), int(config.port)) as server:
-        def call(state: _Agent, row: Mapping[str, Any]) -> None:
+
+class _AgentRun:
+    def __init__(self, endpoint: Endpoint, engine: TurnEngine, agent: Callable, rows: Sequence[Mapping[str, Any]],
+                 set_sampling: Callable[[int, dict], None], config: Any) -> None:
+        self.endpoint, self.engine, self.agent, self.rows = endpoint, engine, agent, rows
+        self.set_sampling, self.config = set_sampling, config
+        self.records = sorted(endpoint.records.values(), key=lambda r: r.key)
+        self.agents = [_Agent(r.episode_id) for r in self.records]
+        self.in_engine: dict[int, _Turn] = {}  # key -> the request whose turn the engine runs
+
+    def run(self) -> list[Episode]:
+        with EndpointServer(self.endpoint, str(self.config.host), int(self.config.port)) as server:
             try:
-                state.outcome = agent(server.base_url, state.episode_id, dict(row))
-            except BaseException as err:  # the agent's failure ends its episode, never the step
-                state.error = f"{type(err).__name__}: {err}"
-            finally:
-                state.done = True
+                self._serve(server.base_url)
+            finally:  # whatever stopped the rollout, no request is left waiting
+                self.endpoint.abandon(list(self.in_engine.values()))
+        return [self._ended(record, state) for record, state in zip(self.records, self.agents)]
 
-        waiting = list(range(len(agents)))
-        running: list[int] = []
-        in_engine: dict[int, _Turn] = {}
+    def _call(self, state: _Agent, base_url: str, row: Mapping[str, Any]) -> None:
+        try:
+            state.outcome = self.agent(base_url, state.episode_id, dict(row))
+        except BaseException as err:  # the agent's failure ends its episode, never the step
+            state.error = f"{type(err).__name__}: {err}"
+        finally:
+            state.done = True
+
+    def _serve(self, base_url: str) -> None:
+        """Start agents up to the limit, feed their turns to the engine, hand back the finished ones, until
+        every agent is done (or abandoned) and nothing runs."""
+        endpoint, engine, agents = self.endpoint, self.engine, self.agents
+        limit, timeout = int(self.config.max_concurrent_episodes), float(self.config.episode_timeout_s)
+        waiting, running = list(range(len(agents))), []
         while True:
             for key in [k for k in running if agents[k].done or time.monotonic() - agents[k].started > timeout]:
-                running.remove(key)
+                running.remove(key)  # a hung agent's thread is abandoned; its episode takes no more requests
                 endpoint.close(agents[key].episode_id, "agent returned" if agents[key].done else "agent_timeout")
             while waiting and len(running) < limit:
                 key = waiting.pop(0)
                 state = agents[key]
                 state.started = time.monotonic()
-                state.thread = threading.Thread(target=call, args=(state, {**rows[key], "episode_id": state.episode_id}),
+                row = {**self.rows[key], "episode_id": state.episode_id}
+                state.thread = threading.Thread(target=self._call, args=(state, base_url, row),
                                                 name=f"hflow-agent-{key}", daemon=True)
                 state.thread.start()
                 running.append(key)
             try:  # new turns; wait a moment for one when the engine has nothing to run
                 turn = endpoint.turns.get(timeout=0.005 if not engine.busy() else 0)
                 while True:
-                    set_sampling(turn.key, turn.sampling)
+                    self.set_sampling(turn.key, turn.sampling)
                     engine.add_turn(turn.key, turn.ids, turn.max_tokens)
-                    in_engine[turn.key] = turn
+                    self.in_engine[turn.key] = turn
                     turn = endpoint.turns.get_nowait()
             except queue.Empty:
                 pass
             for result in engine.poll():
-                endpoint.finish(in_engine.pop(result.key), result)
-            if not waiting and not running and not in_engine and endpoint.turns.empty():
-                break
+                endpoint.finish(self.in_engine.pop(result.key), result)
+            if not waiting and not running and not self.in_engine and endpoint.turns.empty():
+                return
 
-    episodes = []
-    for record, state in zip(records, agents):
+    @staticmethod
+    def _ended(record: _Record, state: _Agent) -> Episode:
+        """The episode as the agent left it: its return value credited, how it ended."""
         episode = record.episode
         outcome = state.outcome
         reward = outcome.get("reward") if isinstance(outcome, Mapping) else outcome
@@ -562,5 +601,4 @@ def run_external_agents(endpoint: Endpoint, engine: TurnEngine, agent: Callable,
                          else "length" if record.cut or record.refused_length else "agent_done")
         if not episode.assistant_turns:
             episode.problems.append("agent_no_turns")
-        episodes.append(episode)
-    return episodes
+        return episode
