@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from hflow.workers.rollout.base import prompt_token_ids
@@ -224,3 +225,20 @@ def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_toke
     metrics = output.meta_info["metrics"]
     assert metrics["agent/endpoint_refused/changed_history"] > 0
     assert metrics["agent/endpoint_refused/unknown_episode"] > 0
+
+
+def test_the_example_calculator_agent_runs_through_the_endpoint(endpoint_rollout, tiny_tokenizer, monkeypatch):
+    """examples/agent/openai_agent.py, loaded as the config would load it, runs every episode to its end (the
+    test parser's calls name `echo`, so its calculator answers them with errors, as tool messages)."""
+    from pathlib import Path
+
+    from hflow.agent.config import load_agent
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agent" / "openai_agent.py"
+    agent = load_agent(OmegaConf.create({"agent_path": str(path), "agent_name": "run_episode"}))
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
+    output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
+    episodes = output.non_tensor_batch["episode"]
+    assert {e["ended"] for e in episodes} <= {"agent_done", "length"}, [e["info"] for e in episodes]
+    tool_messages = [m["content"] for e in episodes for m in e["messages"] if m["role"] == "tool"]
+    assert tool_messages and all("Error:" in m for m in tool_messages)
