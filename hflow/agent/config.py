@@ -4,7 +4,7 @@ written here and in the YAML only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,6 +13,20 @@ from hflow.agent.parsers import get_parser
 from hflow.config_schema import ConfigError, ConfigErrors, check_choice
 
 PREFIX = "actor_rollout_ref.rollout.multi_turn"
+
+
+@dataclass
+class EndpointConfig:
+    """An OpenAI-compatible endpoint on localhost while a step generates (`hflow.agent.endpoint`): the user's
+    agent function runs each row's episode against it instead of hflow's own loop."""
+
+    enable: bool = False  # true = episodes come from the agent function below, through the endpoint
+    agent_path: Optional[str] = None  # Python file that defines the agent function
+    agent_name: str = "run_episode"  # run_episode(base_url, episode_id, row) -> None | reward | {"reward": ..., ...}
+    host: str = "127.0.0.1"  # the endpoint listens here (localhost: the agents run in the rollout worker)
+    port: int = 0  # 0 = a free port for each rollout rank
+    max_concurrent_episodes: int = 64  # agent functions running at once per rollout rank
+    episode_timeout_s: float = 600.0  # an agent function still running after this is abandoned (agent_timeout)
 
 
 @dataclass
@@ -32,6 +46,7 @@ class MultiTurnConfig:
     interaction_config_path: Optional[str] = None  # verl's interaction YAML (simulated users); None = none
     env_config_path: Optional[str] = None  # YAML of environments (hflow.agent.env); None = none
     env_timeout_s: float = 30.0  # per environment / interaction call; past it the episode ends (env_timeout)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)  # external agents (openai client)
 
 
 def check_multi_turn(multi_turn: Any) -> None:
@@ -74,4 +89,34 @@ def check_multi_turn(multi_turn: Any) -> None:
             if multi_turn[key] is not None and not Path(str(multi_turn[key])).expanduser().is_file():
                 raise ConfigError(f"{PREFIX}.{key}={multi_turn[key]}: no such file; point it at a YAML with {what}, "
                                   "or leave it null")
+    if multi_turn.get("endpoint") is not None and multi_turn.endpoint.enable:
+        errors.run(check_endpoint, multi_turn.endpoint)
     errors.raise_any()
+
+
+def check_endpoint(endpoint: Any) -> None:
+    """`multi_turn.endpoint`: an agent file and function that load, a port and limits in range."""
+    key = f"{PREFIX}.endpoint"
+    if endpoint.agent_path is None:
+        raise ConfigError(f"{key}.enable=true needs {key}.agent_path: a Python file defining "
+                          f"{endpoint.agent_name}(base_url, episode_id, row) that runs one episode with the openai client")
+    if not 0 <= int(endpoint.port) <= 65535:
+        raise ConfigError(f"{key}.port={endpoint.port}; give a TCP port, or 0 for a free one per rollout rank")
+    if int(endpoint.max_concurrent_episodes) < 1:
+        raise ConfigError(f"{key}.max_concurrent_episodes={endpoint.max_concurrent_episodes}; it must be >= 1")
+    if not float(endpoint.episode_timeout_s) > 0:
+        raise ConfigError(f"{key}.episode_timeout_s={endpoint.episode_timeout_s}; give a positive number of seconds")
+    load_agent(endpoint)
+
+
+def load_agent(endpoint: Any):
+    """The user's agent function (`endpoint.agent_path` / `agent_name`); errors name the keys."""
+    from hflow.utils.errors import UserError
+    from hflow.utils.user_code import FileFunction
+
+    try:
+        return FileFunction(str(endpoint.agent_path), str(endpoint.agent_name), config_key=f"{PREFIX}.endpoint")
+    except UserError as err:
+        message = str(err).replace(f"{PREFIX}.endpoint.path", f"{PREFIX}.endpoint.agent_path").replace(
+            f"{PREFIX}.endpoint.name", f"{PREFIX}.endpoint.agent_name")
+        raise ConfigError(message) from None

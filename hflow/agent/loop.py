@@ -53,7 +53,8 @@ __all__ = ["AgentLoop", "Episode", "ToolRunner", "TurnEngine", "TurnResult", "ag
 
 ENDINGS = ("answer", "length", "max_assistant_turns", "max_user_turns", "env_done", "interaction_done",
            "env_error", "env_timeout", "env_malformed", "interaction_error", "interaction_timeout",
-           "interaction_malformed")
+           "interaction_malformed",
+           "agent_done", "agent_error", "agent_timeout")  # the last three: external agents (hflow.agent.endpoint)
 ADMIT_POLL_S = 0.005  # with `admit`: how long a loop with nothing to step waits for a reply before asking again
 
 

@@ -72,6 +72,7 @@ from hflow.workers.critic.config import check_critic, check_critic_batches
 from hflow.workers.teacher.config import check_teacher, check_teacher_vocab
 from hflow.workers.rollout.config import (
     check_admission,
+    check_endpoint_rollout,
     check_rollout_name,
     check_sampling,
     check_tensor_parallel,
@@ -126,6 +127,7 @@ def preflight_check(config: DictConfig) -> None:
         run(check_teacher_vocab, config)
     run(check_rollout_name, rollout.name)
     run(check_admission, rollout)
+    run(check_endpoint_rollout, rollout)
     run(check_old_log_probs, algo)
     run(check_reuse_is_on_policy, config)
     with errors.catch():

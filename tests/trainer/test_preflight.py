@@ -183,6 +183,13 @@ RANGES = [
      ["multi_turn.env_config_path=/no.yaml: no such file", "'envs:' list"]),
     (["algorithm.turn_rewards=token"], ["algorithm.turn_rewards=token", "multi_turn.enable=false"]),
     (["algorithm.turn_gamma=2"], ["algorithm.turn_gamma"]),
+    # issue 34: the agent endpoint
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.enable=true"], ["actor_rollout_ref.rollout.multi_turn.endpoint.agent_path", "run_episode("]),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.agent_path=/no_agent.py"],
+     ["actor_rollout_ref.rollout.multi_turn.endpoint.agent_path='/no_agent.py': no such file"]),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.agent_path=/no_agent.py",
+      "actor_rollout_ref.rollout.multi_turn.endpoint.max_concurrent_episodes=0"], ["actor_rollout_ref.rollout.multi_turn.endpoint.max_concurrent_episodes=0"]),
+    (["actor_rollout_ref.rollout.multi_turn.endpoint.enable=true"], ["actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "multi_turn.enable=true"]),
     # reward: timeouts, retries, batch sizes (the remote scorer's whether or not .url is set)
     (["custom_reward_function.timeout_s=0"], ["custom_reward_function.timeout_s=0", "null for no limit"]),
     (["custom_reward_function.request_timeout_s=-1"], ["custom_reward_function.request_timeout_s"]),

@@ -147,6 +147,19 @@ def check_admission(rollout: Any) -> None:
                           f"(got {rollout.name}, {rollout.tensor_model_parallel_size}); set admission=static")
 
 
+def check_endpoint_rollout(rollout: Any) -> None:
+    """`multi_turn.endpoint`: the agent endpoint runs on a vLLM engine of one rank, sharded statically."""
+    endpoint = rollout.multi_turn.endpoint
+    if not endpoint.enable:
+        return
+    key = f"{PREFIX}.multi_turn.endpoint.enable"
+    if not rollout.multi_turn.enable:
+        raise ConfigError(f"{key}=true runs agent episodes; set {PREFIX}.multi_turn.enable=true as well")
+    if rollout.name != "vllm" or int(rollout.tensor_model_parallel_size) != 1 or rollout.admission != "static":
+        raise ConfigError(f"{key}=true needs rollout.name=vllm, tensor_model_parallel_size=1 and admission=static (got "
+                          f"{rollout.name}, {rollout.tensor_model_parallel_size}, {rollout.admission})")
+
+
 def check_weight_bucket(rollout: Any) -> None:
     """`rollout.weight_bucket_mb`: a size > 0 in MiB, or null (one broadcast per tensor)."""
     if rollout.weight_bucket_mb is not None and not float(rollout.weight_bucket_mb) > 0:

@@ -17,6 +17,10 @@ prompt) instead of one response, and the output keeps the rollout contract of
     episode            (non-tensor) the episode: messages, tool calls with results, turns, how it ended
 
 and `meta_info["metrics"]` carries the `agent/*` metrics.
+
+With `multi_turn.endpoint.enable` the episodes come from the user's agent function instead of hflow's loop
+(`generate_external`, `hflow.agent.endpoint`): the same engine samples the turns, the same output is
+assembled from the ids the endpoint recorded.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hflow.agent.config import load_agent
+from hflow.agent.endpoint import Endpoint, run_external_agents
 from hflow.agent.env import load_envs
 from hflow.agent.interactions import load_interactions
 from hflow.agent.loop import AgentLoop, Episode, TurnEngine, agent_metrics
@@ -58,6 +64,49 @@ class MultiTurnRollout:
                         if multi_turn.interaction_config_path else None)
         self.loop = AgentLoop(tokenizer, multi_turn, tools, get_parser(str(multi_turn.format)), self.response_length,
                               tool_schemas(tools), envs=envs, interactions=interactions)
+        self.tool_schemas = tool_schemas(tools)
+        endpoint = multi_turn.get("endpoint")
+        self.endpoint = endpoint if endpoint is not None and endpoint.enable else None
+        self.agent = load_agent(endpoint) if self.endpoint is not None else None
+
+    def _rows(self, prompts: DataProto, n: int) -> tuple[list, list | None, list | None]:
+        """Per sample (prompt-major, n each): the prompt ids, the tools' kwargs and the row (agent_kwargs)."""
+        ids = [row for row in prompt_token_ids(prompts) for _ in range(n)]
+        kwargs = prompts.non_tensor_batch.get("tools_kwargs")
+        tools_kwargs = [_as_dict(k, i) for i, k in enumerate(kwargs) for _ in range(n)] if kwargs is not None else None
+        agent_kwargs = prompts.non_tensor_batch.get("agent_kwargs")  # the rows' data_source, extra_info, ...
+        rows = [_as_dict(k, i, "agent_kwargs") for i, k in enumerate(agent_kwargs) for _ in range(n)] \
+            if agent_kwargs is not None else None
+        return ids, tools_kwargs, rows
+
+    def generate_external(self, prompts: DataProto, settings: SamplingSettings, engine: TurnEngine,
+                          calculate_log_probs: bool, set_sampling: Callable[[int, dict], None]) -> DataProto:
+        """`settings.n` episodes per prompt, each run by the user's agent function through the endpoint;
+        `set_sampling(key, sampling)` sets a request's temperature / top_p / seed on `engine`."""
+        n = settings.n
+        ids, tools_kwargs, rows = self._rows(prompts, n)
+        eos = [int(t) for t in np.atleast_1d(prompts.meta_info["eos_token_id"])]
+        endpoint = Endpoint(self.tokenizer, self.loop.parser, eos, prompts.batch["input_ids"].shape[1],
+                            self.response_length, want_log_probs=calculate_log_probs)
+        raw = prompts.non_tensor_batch.get("raw_prompt")
+        agent_rows = []
+        for key, prompt in enumerate(ids):
+            row = dict(rows[key]) if rows is not None else {}
+            if row.get("prompt") is None and raw is not None:
+                row["prompt"] = list(raw[key // n])
+            episode = Episode(prompt_ids=list(prompt), tools_kwargs=tools_kwargs[key] if tools_kwargs else {}, row=row)
+            endpoint.open(episode, key)
+            agent_rows.append({**row, "index": key, "prompt_ids": list(prompt), "tools": self.tool_schemas,
+                               "tools_kwargs": episode.tools_kwargs})
+        started = time.perf_counter()
+        episodes = run_external_agents(endpoint, engine, self.agent, agent_rows, set_sampling, self.endpoint)
+        output = assemble_episodes(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs,
+                                   self.response_length)
+        metrics = agent_metrics(episodes, time.perf_counter() - started)
+        for code, count in endpoint.refused.items():
+            metrics[f"agent/endpoint_refused/{code}"] = count / max(len(episodes), 1)
+        output.meta_info["metrics"] = metrics
+        return output
 
     def generate(
         self,
@@ -70,12 +119,7 @@ class MultiTurnRollout:
     ) -> DataProto:
         """`settings.n` episodes per prompt on `engine` (which samples one turn per request)."""
         n = settings.n
-        ids = [row for row in prompt_token_ids(prompts) for _ in range(n)]
-        kwargs = prompts.non_tensor_batch.get("tools_kwargs")
-        tools_kwargs = [_as_dict(k, i) for i, k in enumerate(kwargs) for _ in range(n)] if kwargs is not None else None
-        agent_kwargs = prompts.non_tensor_batch.get("agent_kwargs")  # the rows' data_source, extra_info, ...
-        rows = [_as_dict(k, i, "agent_kwargs") for i, k in enumerate(agent_kwargs) for _ in range(n)] \
-            if agent_kwargs is not None else None
+        ids, tools_kwargs, rows = self._rows(prompts, n)
         eos = prompts.meta_info["eos_token_id"]
         started = time.perf_counter()
         episodes = self.loop.run(engine, ids, eos_token_ids=[int(t) for t in np.atleast_1d(eos)],

@@ -101,6 +101,7 @@ class vLLMRollout(BaseRollout):
         self.llm = new_engine(engine_kwargs)
         self.init_s = time.perf_counter() - started
         self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
+        self._endpoint_calls = 0  # generate calls served through the agent endpoint (their request seeds' batch)
         backend = engine_kwargs["distributed_executor_backend"] or "in-process"
         logger.info("vLLM engine ready in %.1fs (%s)", self.init_s, backend)
         if self.calculate_log_probs and (int(config.top_k) > 0 or float(config.top_p) < 1):
@@ -196,7 +197,10 @@ class vLLMRollout(BaseRollout):
             params = self._sampling_params(dataclasses.replace(settings, n=1), eos_token_id)
             agree = tensor_parallel_agreement(self.llm)
             engine = _StreamingEngine(self.llm, params, self.calculate_log_probs, weight_updates, agree)
-            if self.multi_turn is not None:
+            if self.multi_turn is not None and self.multi_turn.endpoint is not None:
+                output = self.multi_turn.generate_external(prompts, settings, engine, self.calculate_log_probs,
+                                                           self._endpoint_sampling(engine, settings, eos_token_id))
+            elif self.multi_turn is not None:
                 output = self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs, agree=agree)
             else:
                 output = self._generate_single_turns(prompts, settings.n, engine, pad_token_id)
@@ -302,6 +306,22 @@ class vLLMRollout(BaseRollout):
             return [(sample["ids"], sample["tools_kwargs"], sample.get("agent_kwargs")) for _, _, sample, _ in rows]
 
         self.multi_turn.loop.run(engine, [], eos_token_ids=eos, admit=admit_episodes)
+
+    def _endpoint_sampling(self, engine: _StreamingEngine, settings: SamplingSettings, eos_token_id):
+        """Per request of the agent endpoint: its own temperature / top_p, and a seed of its own (the request's,
+        else the one `serve` would give the same row and turn of batch k, the k-th call with the endpoint)."""
+        batch, seed = self._endpoint_calls, int(self.config.seed)
+        self._endpoint_calls += 1
+        given: dict[int, int] = {}
+        engine.seed_of = lambda key, turn: given.pop(key) if key in given else request_seed(seed, batch, key, turn)
+
+        def set_sampling(key: int, sampling: dict) -> None:
+            asked = {name: float(sampling[name]) for name in ("temperature", "top_p") if name in sampling}
+            engine.key_params[key] = self._sampling_params(dataclasses.replace(settings, n=1, **asked), eos_token_id)
+            if "seed" in sampling:
+                given[key] = int(sampling["seed"])
+
+        return set_sampling
 
     def _generate_single_turns(self, prompts: DataProto, n: int, engine: _StreamingEngine,
                                pad_token_id: int) -> DataProto:

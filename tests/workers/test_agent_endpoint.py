@@ -1,0 +1,244 @@
+"""External agents through the OpenAI-compatible endpoint (`hflow.agent.endpoint`), on the real vLLM engine.
+
+An `openai`-client agent that speaks the same tool protocol as hflow's loop (the test parser of
+`test_multi_turn_rollout` decides which turns call `echo`; the agent runs `echo` itself) produces, row for
+row and with the same seeds, the trajectories hflow's own loop produces: the same ids, loss mask and sampler
+log-probs. The tiny model's byte-level tokenizer re-encodes sampled text into other ids, so an endpoint that
+re-tokenized the agent's history would not match. Bad requests get an HTTP error that names the episode and
+what is wrong.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from hflow.workers.rollout.base import prompt_token_ids
+from tests.workers.test_multi_turn_rollout import MAX_TURNS, QUESTIONS, hf_model, multi_turn_config, tool_config  # noqa: F401
+from tests.workers.test_rollout import PROMPT_LENGTH, make_prompts, push
+
+# The external agent: plain openai client, no hflow import. It does what hflow's loop does with the echo
+# tool: run each call, send its result as a tool message, stop after MAX_TURNS turns, at a turn without
+# calls, at a turn cut by the length limit, or when the endpoint says the next message does not fit.
+AGENT = '''
+import json
+
+import openai
+
+MAX_TURNS = {max_turns}
+
+
+def echo(text):
+    return "echo 12345: " + text
+
+
+def run_episode(base_url, episode_id, row):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                           default_headers={{"X-Episode-Id": episode_id}})
+    messages = list(row["prompt"])
+    for _ in range(MAX_TURNS):
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=row["tools"])
+        except openai.BadRequestError as err:
+            if err.code == "context_too_long":
+                return {{"reward": 0.0}}
+            raise
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if choice.finish_reason != "tool_calls":
+            break
+        for call in choice.message.tool_calls:
+            result = echo(**json.loads(call.function.arguments))
+            messages.append({{"role": "tool", "tool_call_id": call.id, "content": result}})
+    return {{"reward": 1.0, "turns": len(messages)}}
+'''.format(max_turns=MAX_TURNS)
+
+
+@pytest.fixture(scope="module")
+def agent_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("agent") / "agent.py"
+    path.write_text(AGENT)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def endpoint_rollout(world, tiny_model_dir, tiny_tokenizer, tool_config, agent_file, hf_model):  # noqa: F811
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+    config = multi_turn_config(tool_config, **{"multi_turn.endpoint.enable": True,
+                                               "multi_turn.endpoint.agent_path": agent_file})
+    rollout = vLLMRollout(str(tiny_model_dir), config, tiny_tokenizer, AutoConfig.from_pretrained(tiny_model_dir))
+    push(rollout, hf_model)
+    yield rollout
+    rollout.close()
+    del rollout
+    gc.collect()
+
+
+def prompts_with_rows(tokenizer):
+    rows = np.array([{"data_source": "test", "agent_name": None, "extra_info": {},
+                      "prompt": [{"role": "user", "content": q}]} for q in QUESTIONS], dtype=object)
+    return make_prompts(tokenizer, QUESTIONS, agent_kwargs=rows)
+
+
+def test_an_openai_agent_through_the_endpoint_gives_hflows_own_trajectories(endpoint_rollout, tiny_tokenizer):
+    from hflow.trainer.ppo.routed_rollout import assemble_routed
+    from hflow.workers.rollout.router import RouterClient, RowRouter
+
+    prompts, n = prompts_with_rows(tiny_tokenizer), 4
+    stop = {"eos_token_id": prompts.meta_info["eos_token_id"], "pad_token_id": prompts.meta_info["pad_token_id"]}
+    # hflow's loop, each request seeded by (rollout seed, batch, row, turn); the endpoint's k-th call is batch k
+    batch = endpoint_rollout._endpoint_calls
+    router = RowRouter(engines=1)
+    router.submit(batch, [{"ids": ids, "tools_kwargs": {}} for ids in prompt_token_ids(prompts) for _ in range(n)],
+                  {}, min_version=0)
+    endpoint_rollout.serve(RouterClient(router), 0, stop)
+    loop = assemble_routed(prompts, {}, n, router.collect(batch), endpoint_rollout.config)
+
+    external = endpoint_rollout.generate_sequences(prompts)
+
+    episodes = external.non_tensor_batch["episode"]
+    assert len(external) == len(QUESTIONS) * n
+    assert all(e["ended"] != "agent_error" for e in episodes), [e["info"] for e in episodes]
+    for key in ("responses", "response_mask", "attention_mask", "input_ids", "position_ids"):
+        assert external.batch[key].tolist() == loop.batch[key].tolist(), key
+    assert external.batch["rollout_log_probs"].tolist() == loop.batch["rollout_log_probs"].tolist()
+    # not vacuous: several turns with tool messages (mask 0 inside a response), sampled ids that re-encode
+    # to other ids, and the agent's return value credited to the last sampled token
+    mask = external.batch["response_mask"]
+    inside = external.batch["attention_mask"][:, -mask.shape[1]:].bool() & (mask == 0)
+    assert inside.any(), "no tool message in any episode"
+    assert max(e["num_turns"] for e in episodes) == MAX_TURNS
+    assert {e["ended"] for e in episodes} <= {"agent_done", "length"}
+    drift = 0
+    for row in range(len(external)):
+        sampled = external.batch["responses"][row][mask[row].bool()].tolist()
+        drift += tiny_tokenizer.encode(tiny_tokenizer.decode(sampled), add_special_tokens=False) != sampled
+        last = int(mask[row].nonzero().max())
+        reward = external.batch["turn_rewards"][row]
+        assert reward[last].item() in (0.0, 1.0) and reward.abs().sum() == reward[last].abs()
+    assert drift > 0, "the tokenizer re-encodes these samples faithfully: a re-tokenizing endpoint would pass"
+    assert external.batch["turn_rewards"].sum() > 0
+    metrics = external.meta_info["metrics"]
+    assert metrics["agent/ended/agent_error"] == 0 and metrics["agent/ended/agent_timeout"] == 0
+
+
+def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_tokenizer, monkeypatch):
+    import openai
+
+    errors: dict[str, openai.APIStatusError] = {}
+    answers: dict[str, object] = {}
+    episode_ids: dict[int, str] = {}
+
+    def client(base_url, episode_id):
+        return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                             default_headers={"X-Episode-Id": episode_id})
+
+    def expect_error(name, call):
+        try:
+            call()
+        except openai.APIStatusError as err:
+            errors[name] = err
+        else:
+            raise AssertionError(f"{name}: the endpoint accepted the request")
+
+    def agent(base_url, episode_id, row):
+        api = client(base_url, episode_id)
+        key = row["index"]
+        episode_ids[key] = episode_id
+        if key == 0:
+            expect_error("unknown", lambda: client(base_url, "ep-nope-0").chat.completions.create(
+                model="p", messages=row["prompt"]))
+            expect_error("long_prompt", lambda: api.chat.completions.create(
+                model="p", messages=[{"role": "user", "content": "word " * 400}]))
+            expect_error("other_prompt", lambda: api.chat.completions.create(
+                model="p", messages=[{"role": "user", "content": "Another question?"}]))
+        elif key == 1:
+            first = api.chat.completions.create(model="p", messages=row["prompt"])
+            said = first.choices[0].message.model_dump(exclude_none=True)
+            changed = {**said, "content": (said.get("content") or "") + " (edited)"}
+            expect_error("changed", lambda: api.chat.completions.create(
+                model="p", messages=[*row["prompt"], changed, {"role": "user", "content": "go on"}]))
+            expect_error("not_longer", lambda: api.chat.completions.create(model="p", messages=[*row["prompt"], said]))
+            expect_error("too_long", lambda: api.chat.completions.create(
+                model="p", messages=[*row["prompt"], said, {"role": "user", "content": "word " * 400}]))
+            answers["chat"] = api.chat.completions.create(
+                model="p", messages=[*row["prompt"], said, {"role": "user", "content": "go on"}], max_tokens=4)
+        elif key == 2:  # completions with token ids: the recorded ids must lead every later prompt
+            ids = row["prompt_ids"]
+            first = api.completions.create(model="p", prompt=ids, max_tokens=4)
+            sampled = first.choices[0].model_extra["token_ids"]
+            expect_error("changed_ids", lambda: api.completions.create(
+                model="p", prompt=ids[:-1] + [ids[-1] + 1] + sampled + [10], max_tokens=4))
+            answers["completion"] = api.completions.create(model="p", prompt=ids + sampled + [10, 11], max_tokens=4)
+        elif key == 3:  # an agent that fails after a turn: its episode ends, the step goes on
+            api.chat.completions.create(model="p", messages=row["prompt"], max_tokens=2)
+            raise RuntimeError("the agent's own bug")
+        elif key == 4:  # an agent that hangs past episode_timeout_s is abandoned
+            release.wait(timeout=60)
+        return None
+
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
+    monkeypatch.setitem(endpoint_rollout.multi_turn.endpoint, "episode_timeout_s", 5.0)
+    release = threading.Event()
+    try:
+        output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
+    finally:
+        release.set()
+    ids = [e["messages"] for e in output.non_tensor_batch["episode"]]
+    assert len(ids) == len(QUESTIONS) * 4
+
+    def check(name, status, *words):
+        assert name in errors, (name, [(e["ended"], e["info"]) for e in output.non_tensor_batch["episode"][:3]])
+        err = errors[name]
+        message = err.body["message"] if isinstance(err.body, dict) else str(err)
+        assert err.status_code == status, (name, err.status_code, message)
+        for word in words:
+            assert word in message, (name, word, message)
+
+    check("unknown", 404, "unknown episode id 'ep-nope-0'")
+    check("long_prompt", 400, "the prompt is", f"the limit is {PROMPT_LENGTH} (data.max_prompt_length)")
+    check("other_prompt", 400, "message 0 differs from the row's prompt")
+    check("changed", 400, "message 1 differs from the episode's recorded message 1", "(edited)")
+    check("not_longer", 400, "the request has 2 messages and the episode recorded 2")
+    check("too_long", 400, "the limit is 160 (data.max_response_length)")
+    check("changed_ids", 400, "token ")
+    for name, key in [("long_prompt", 0), ("other_prompt", 0), ("changed", 1), ("not_longer", 1), ("too_long", 1),
+                      ("changed_ids", 2)]:
+        assert errors[name].body["message"].startswith(f"episode {episode_ids[key]}:"), (name, errors[name].body)
+    # the refused requests changed nothing: the accepted ones continue the recorded trajectory
+    assert answers["chat"].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    mask = output.batch["response_mask"]
+    assert mask[1].sum() > 0 and (mask[1] == 0)[: int(mask[1].nonzero().max())].any()  # turn, user message, turn
+    assert output.batch["responses"][2][mask[2] == 0][:2].tolist()[:2] == [10, 11]
+    assert mask[0].sum() == 0 and output.non_tensor_batch["episode"][0]["num_turns"] == 0
+    episodes = output.non_tensor_batch["episode"]
+    assert episodes[3]["ended"] == "agent_error" and "the agent's own bug" in str(episodes[3]["info"])
+    assert episodes[3]["num_turns"] == 1 and mask[3].sum() > 0
+    assert episodes[4]["ended"] == "agent_timeout"
+    assert {e["ended"] for e in episodes[5:]} == {"agent_done"}
+    metrics = output.meta_info["metrics"]
+    assert metrics["agent/endpoint_refused/changed_history"] > 0
+    assert metrics["agent/endpoint_refused/unknown_episode"] > 0
+
+
+def test_the_example_calculator_agent_runs_through_the_endpoint(endpoint_rollout, tiny_tokenizer, monkeypatch):
+    """examples/agent/openai_agent.py, loaded as the config would load it, runs every episode to its end (the
+    test parser's calls name `echo`, so its calculator answers them with errors, as tool messages)."""
+    from pathlib import Path
+
+    from hflow.agent.config import load_agent
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agent" / "openai_agent.py"
+    agent = load_agent(OmegaConf.create({"agent_path": str(path), "agent_name": "run_episode"}))
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
+    output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
+    episodes = output.non_tensor_batch["episode"]
+    assert {e["ended"] for e in episodes} <= {"agent_done", "length"}, [e["info"] for e in episodes]
+    tool_messages = [m["content"] for e in episodes for m in e["messages"] if m["role"] == "tool"]
+    assert tool_messages and all("Error:" in m for m in tool_messages)
