@@ -25,6 +25,11 @@ PPO-ptx (`ptx.coef > 0`, InstructGPT): every optimizer step also draws a batch o
 on each rank (`PtxSampler`) and adds coef x its token-mean next-token NLL, normalised the same way
 over the ptx tokens of all ranks, so the term is the NLL of the step's whole ptx batch. With an
 `ema` (`ParamEMA`), the moving average is updated after every optimizer step that was taken.
+
+On-policy distillation's GKD term (`meta_info["distill_jsd"]`, from `algorithm.distill.jsd_coef`): the batch
+carries the teacher's top-k ids and log-probs per response position; each micro-batch's forward also takes the
+student's log-probs of those ids from the same logits, and coef x `distill.topk_generalized_jsd` joins the
+loss, aggregated like the policy loss over the same mask (`actor/distill_jsd`).
 """
 
 from __future__ import annotations
