@@ -41,7 +41,7 @@ def met(arm: str, curve: dict[int, float]) -> bool:
 
 
 def render(result: dict) -> str:
-    signal = ("GKD's JSD term alone (no reward of any kind)" if result["options"].get("overrides")
+    signal = ("GKD's JSD term alone, no reward of any kind" if result["options"].get("overrides")
               else "no task reward")
     lines = [
         f"# On-policy distillation and its control over seeds (built-in task, {signal})",
