@@ -4,9 +4,11 @@ greedy validation every 2 steps.
 
     .venv/bin/python bench/distill_controls.py                       # 2 arms x 3 seeds x 30 steps
     .venv/bin/python bench/distill_controls.py --jobs 2 --steps 12   # shorter, two runs at a time
+    .venv/bin/python bench/distill_controls.py --jsd --steps 10      # GKD's JSD term alone, no reward at all
 
 The issue's targets (issue 35): with the teacher, the student's held-out greedy score goes from <= 0.2 to >= 0.9
-within the run's steps; with itself as the teacher it stays <= 0.2. Writes bench/results/distill_controls.{md,json}.
+within the run's steps; with itself as the teacher it stays <= 0.2. Writes bench/results/distill_controls.{md,json}
+(`--jsd`: bench/results/distill_jsd.{md,json}, the reverse-KL reward off and `algorithm.distill.jsd_coef=1`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.trainer.test_distillation import RECIPE, distill, teacher_paths  # noqa: E402
+from tests.trainer.test_distillation import RECIPE, distill, metrics, teacher_paths  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ARMS = ("teacher", "self")
 TARGETS = {"teacher": "first <= 0.2, reaches >= 0.9", "self": "max <= 0.2"}
+JSD = ("algorithm.distill.coef=0.0", "algorithm.distill.jsd_coef=1.0")  # --jsd: the JSD term is all that trains
 
 
 def met(arm: str, curve: dict[int, float]) -> bool:
@@ -38,16 +41,21 @@ def met(arm: str, curve: dict[int, float]) -> bool:
 
 
 def render(result: dict) -> str:
+    signal = ("GKD's JSD term alone, no reward of any kind" if result["options"].get("overrides")
+              else "no task reward")
     lines = [
-        "# On-policy distillation and its control over seeds (built-in task, no task reward)",
+        f"# On-policy distillation and its control over seeds (built-in task, {signal})",
         "",
         f"Made by `{result['command']}` on {result['date']} ({result['machine']}), commit {result['commit']}.",
         f"Options: {json.dumps(result['options'])}.",
         "Greedy validation score on the 40 held-out problems, every 2 steps. Arm `teacher`: the built-in model "
         "pre-trained without the wrong habit; arm `self`: the student's own folder as the teacher.",
         "",
-        "| arm | seed | first | first step >= 0.9 | max | last | target | met | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Reverse KL: `distill/reverse_kl`, the mean over the step's sampled tokens of log pi_student - "
+        "log pi_teacher (first and last step).",
+        "",
+        "| arm | seed | first | first step >= 0.9 | max | last | target | met | reverse KL first -> last | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, runs in result["runs"].items():
         for seed, run in runs.items():
@@ -55,7 +63,7 @@ def render(result: dict) -> str:
             reached = next((s for s in sorted(curve) if curve[s] >= 0.9), None)
             lines.append(f"| {arm} | {seed} | {curve[0]:.3f} | {'-' if reached is None else reached} | "
                          f"{max(curve.values()):.3f} | {curve[max(curve)]:.3f} | {TARGETS[arm]} | "
-                         f"{'yes' if met(arm, curve) else 'NO'} | {run['seconds']} |")
+                         f"{'yes' if met(arm, curve) else 'NO'} | {run.get('reverse_kl', '-')} | {run['seconds']} |")
     lines += ["", "Curves (step: score):", ""]
     for arm, runs in result["runs"].items():
         for seed, run in runs.items():
@@ -70,7 +78,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default=str(RESULTS / "distill_controls"))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each is one process)")
+    parser.add_argument("--jsd", action="store_true", help="GKD's JSD term alone in place of the reverse-KL reward")
     args = parser.parse_args()
+    overrides = JSD if args.jsd else ()
+    if args.jsd and args.out == str(RESULTS / "distill_controls"):
+        args.out = str(RESULTS / "distill_jsd")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     paths = teacher_paths()  # built before the runs start (the teacher once, a few minutes)
@@ -79,13 +91,17 @@ def main() -> int:
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
                          f"{os.getloadavg()[0]:.1f} at the start",
               "options": {"seeds": args.seeds, "steps": args.steps, "jobs": args.jobs,
-                          "torch_threads_per_run": threads or "default", "recipe": RECIPE},
+                          "torch_threads_per_run": threads or "default", "recipe": RECIPE,
+                          "overrides": list(overrides)},
               "runs": {arm: {} for arm in ARMS}}
 
     def one(arm: str, seed: int, tmp: str) -> None:
         started = time.perf_counter()
-        curve = distill(Path(tmp) / f"{arm}-{seed}", paths[arm], args.steps, seed, threads)
+        work = Path(tmp) / f"{arm}-{seed}"
+        curve = distill(work, paths[arm], args.steps, seed, threads, overrides)
+        kl = [r["distill/reverse_kl"] for r in metrics(work) if "distill/reverse_kl" in r]
         result["runs"][arm][str(seed)] = {"curve": {str(k): v for k, v in curve.items()},
+                                          "reverse_kl": f"{kl[0]:.3f} -> {kl[-1]:.3f}",
                                           "seconds": round(time.perf_counter() - started, 1)}
         print(f"{arm} seed {seed}: {curve}", flush=True)
 

@@ -6,7 +6,9 @@
 #   STUDENT=~/models/Qwen2.5-1.5B-Instruct TEACHER=~/models/Qwen2.5-7B-Instruct \
 #     bash examples/distill/run_qwen2_5_distill_8gpu.sh [more key=value overrides]
 # Data: examples/data_preprocess/gsm8k.py. TASK_REWARD=0 (the default) is pure distillation; 1.0 adds the
-# task's score. The teacher sits beside the actor on every GPU (FSDP2-sharded over 8, bf16) and is offloaded
+# task's score. JSD_COEF > 0 adds GKD's generalized JSD (beta JSD_BETA) between the student and the teacher on
+# the teacher's TOPK most likely tokens per position (plus one bucket for the rest) to the actor's loss;
+# REVERSE_KL=0 with it leaves the JSD alone (GKD on the student's own samples). The teacher sits beside the actor on every GPU (FSDP2-sharded over 8, bf16) and is offloaded
 # to host memory between its once-per-step passes; preflight stops a teacher whose tokenizer differs.
 set -euo pipefail
 TRAIN_FILES=${TRAIN_FILES:?set TRAIN_FILES to the training parquet}
@@ -14,12 +16,19 @@ VAL_FILES=${VAL_FILES:?set VAL_FILES to the validation parquet}
 STUDENT=${STUDENT:-$HOME/models/Qwen2.5-1.5B-Instruct}
 TEACHER=${TEACHER:-$HOME/models/Qwen2.5-7B-Instruct}
 TASK_REWARD=${TASK_REWARD:-0.0}
+REVERSE_KL=${REVERSE_KL:-1.0}
+JSD_COEF=${JSD_COEF:-0.0}
+JSD_BETA=${JSD_BETA:-0.5}
+TOPK=${TOPK:-16}
 
 python3 -m hflow.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
-  algorithm.distill.coef=1.0 \
+  algorithm.distill.coef="$REVERSE_KL" \
   algorithm.distill.task_reward_coef="$TASK_REWARD" \
+  algorithm.distill.jsd_coef="$JSD_COEF" \
+  algorithm.distill.jsd_beta="$JSD_BETA" \
   teacher.model.path="$TEACHER" \
+  teacher.topk="$TOPK" \
   teacher.log_prob_micro_batch_size_per_gpu=16 \
   teacher.fsdp_config.param_offload=true \
   data.train_files="$TRAIN_FILES" \

@@ -38,6 +38,8 @@ class FilterGroupsConfig:
 class DistillConfig:
     coef: float = 0.0  # weight of the per-token reverse-KL reward (teacher - student log-prob); > 0 needs a teacher
     task_reward_coef: float = 1.0  # weight of the task's reward beside it; 0 = pure distillation
+    jsd_coef: float = 0.0  # weight of GKD's generalized JSD to the teacher's top-k in the actor's loss; > 0 needs a teacher
+    jsd_beta: float = 0.5  # its beta in [0, 1]: 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher)
 
 
 @dataclass
@@ -122,17 +124,22 @@ def check_reward_clip(algo) -> None:
 
 
 def check_distill_coefs(algo) -> None:
-    """`algorithm.distill`: both weights >= 0, and something to learn from (the teacher itself is the
-    trainer's preflight's: `check_teacher`)."""
+    """`algorithm.distill`: the weights >= 0, beta in [0, 1], and something to learn from (the teacher itself
+    is the trainer's preflight's: `check_teacher`)."""
     distill = algo.distill
     errors = ConfigErrors()
-    errors.run(check_non_negative, distill.coef, "algorithm.distill.coef", "0: no distillation")
+    errors.run(check_non_negative, distill.coef, "algorithm.distill.coef", "0: no distillation reward")
     errors.run(check_non_negative, distill.task_reward_coef, "algorithm.distill.task_reward_coef",
                "0: pure distillation")
+    errors.run(check_non_negative, distill.jsd_coef, "algorithm.distill.jsd_coef", "0: no JSD term")
+    errors.run(check_fraction, distill.jsd_beta, "algorithm.distill.jsd_beta",
+               "0: forward KL(teacher || student), 1: reverse KL(student || teacher)")
     errors.raise_any()
-    if float(distill.coef) == 0 and float(distill.task_reward_coef) == 0:
-        raise ConfigError("algorithm.distill.coef=0 and algorithm.distill.task_reward_coef=0 leave no reward to learn "
-                          "from; set algorithm.distill.coef > 0 (with teacher.model.path) or task_reward_coef > 0")
+    if float(distill.coef) == 0 and float(distill.task_reward_coef) == 0 and float(distill.jsd_coef) == 0:
+        raise ConfigError("algorithm.distill.coef=0, algorithm.distill.jsd_coef=0 and "
+                          "algorithm.distill.task_reward_coef=0 leave no reward to learn from and no teacher to "
+                          "follow; set algorithm.distill.coef or jsd_coef > 0 (with teacher.model.path) or "
+                          "task_reward_coef > 0")
 
 
 def check_turn_rewards(algo) -> None:

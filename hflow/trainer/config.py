@@ -305,14 +305,14 @@ def reuses_update_log_probs(config: Any) -> bool:
 
     `algorithm.reuse_update_log_probs` true / false decides; null (the default) reuses them wherever that
     is exact: one on-policy update per step (ppo_epochs 1, one mini-batch) whose old log-probs nothing
-    needs before the update (no KL in the reward, no rollout correction, no distillation reward, no sampler
+    needs before the update (no KL in the reward, no rollout correction, no distillation teacher, no sampler
     log-probs in their place) and whose sampler is the current policy (trainer.async_steps 0)."""
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     if algo.reuse_update_log_probs is not None:
         return bool(algo.reuse_update_log_probs)
     return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
             and not algo.use_kl_in_reward and algo.rollout_is is None and not rollout_mask_on(algo)
-            and not algo.use_rollout_log_probs and float(algo.distill.coef) == 0
+            and not algo.use_rollout_log_probs and config.teacher.model.path is None
             and int(config.trainer.async_steps) == 0)
 
 

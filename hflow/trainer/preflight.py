@@ -320,9 +320,10 @@ def check_reuse_is_on_policy(config: DictConfig) -> None:
             "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
             f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
             "algorithm.use_kl_in_reward=false")
-    if algo.reuse_update_log_probs and float(algo.distill.coef) > 0:
-        raise ConfigError("algorithm.distill.coef > 0 rewards teacher - student log-probs before the update, which "
-                          "algorithm.reuse_update_log_probs=true does not compute; set it to null or false")
+    if algo.reuse_update_log_probs and config.teacher.model.path is not None:
+        raise ConfigError("a teacher (teacher.model.path) is compared with the student's log-probs before the update "
+                          "(the distillation reward and its metrics), which algorithm.reuse_update_log_probs=true "
+                          "does not compute; set it to null or false")
 
 
 def check_context_length(config: DictConfig) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "get_constant_schedule_with_warmup",
     "get_cosine_schedule_with_warmup",
     "get_response_mask",
+    "logprobs_at",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
@@ -30,6 +31,7 @@ __all__ = [
     "masked_whiten",
     "pad_2d_list_to_length",
     "pad_sequence_to_length",
+    "topk_logprobs",
 ]
 
 # Denominators are clamped to this, so an empty mask gives 0 (its numerator is exactly 0) and a
@@ -224,6 +226,27 @@ def entropy_from_logits(logits: torch.Tensor, block_elements: int | None = None)
     only the logits and two floats per row.
     """
     return _EntropyFromLogits.apply(logits, block_elements_for(block_elements))
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
+                label_log_probs: torch.Tensor) -> torch.Tensor:
+    """log softmax(`logits`)[ids] for K ids per row, (..., K), given the log-probs of `labels` that
+    `logprobs_from_logits` already computed (one per row). logsumexp(z) = z_label - log p_label, so no
+    second pass over the vocabulary is made and nothing (N, V) is kept; its gradient is softmax(z), as
+    logsumexp's own."""
+    compute_dtype = label_log_probs.dtype
+    lse = logits.gather(-1, labels.unsqueeze(-1)).to(compute_dtype) - label_log_probs.unsqueeze(-1)
+    return logits.gather(-1, ids).to(compute_dtype) - lse
+
+
+@torch.no_grad()
+def topk_logprobs(logits: torch.Tensor, k: int, labels: torch.Tensor,
+                  label_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs), each (..., k): the k most likely tokens of softmax(`logits`) per row, most likely
+    first, with the logsumexp read off the labels' log-probs as in `logprobs_at`."""
+    values, ids = logits.topk(k, dim=-1)
+    lse = logits.gather(-1, labels.unsqueeze(-1)).to(label_log_probs.dtype) - label_log_probs.unsqueeze(-1)
+    return ids, values.to(label_log_probs.dtype) - lse
 
 
 # --------------------------------------------------------------------------------------------------

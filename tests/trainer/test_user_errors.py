@@ -63,6 +63,7 @@ def files(tmp_path_factory) -> Path:
     from hflow.tasks.tiny_models import build_causal_lm
 
     build_causal_lm(root / "other_vocab", preset="tiny", seed=0, tokenizer_kwargs={"vocab_size": 384})  # a teacher
+    (root / "teacher").symlink_to(assets.model_path)  # a teacher with the student's vocabulary (the student)
     (root / "reward_signature.py").write_text("def compute_score(solution_str):\n    return 1.0\n")
     (root / "checkpoints" / "global_step_5").mkdir(parents=True)  # a save that died: no data/state.pt
     (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
@@ -149,6 +150,15 @@ CASES = [
     ("distill-and-task-weights-both-zero", PPO, ["algorithm.distill.task_reward_coef=0"],
      ["algorithm.distill.task_reward_coef=0", "no reward to learn from"]),
     ("negative-distill-coef", PPO, ["algorithm.distill.coef=-1"], ["algorithm.distill.coef", ">= 0"]),
+    ("jsd-without-teacher", PPO, ["algorithm.distill.jsd_coef=0.5"],
+     ["algorithm.distill.jsd_coef=0.5", "teacher.model.path is null"]),
+    ("teacher-topk-zero", PPO, ["teacher.topk=0"], ["teacher.topk", "positive integer", "got 0"]),
+    ("jsd-beta-above-one", PPO, ["algorithm.distill.jsd_beta=1.5"], ["algorithm.distill.jsd_beta", "[0, 1]"]),
+    ("jsd-with-fused-head", PPO, ["algorithm.distill.jsd_coef=1", "teacher.model.path={files}/teacher",
+                                  "actor_rollout_ref.model.fused_lm_head=true"],
+     ["algorithm.distill.jsd_coef > 0", "actor_rollout_ref.model.fused_lm_head=true"]),
+    ("teacher-topk-above-vocabulary", PPO, ["algorithm.distill.jsd_coef=1", "teacher.model.path={files}/teacher",
+                                            "teacher.topk=100000"], ["teacher.topk=100000", "tokens"]),
     # multi-turn agent rollouts
     ("tool-config-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/no.yaml"],
      ["actor_rollout_ref.rollout.multi_turn.tool_config_path", "no.yaml", "no such file"]),

@@ -322,9 +322,13 @@ class RayPPOTrainer:
         if self.use_reference_policy:
             with timer("ref", timing):
                 batch = batch.union(self.ref_policy_wg.call(ActorRolloutRefWorker.compute_ref_log_prob, batch))
-        if self.use_teacher:
+        if self.use_teacher:  # with the JSD term, also the teacher's top-k at each position (teacher.topk)
+            jsd_coef = float(algo.distill.jsd_coef)
+            batch.meta_info["topk"] = int(self.config.teacher.topk) if jsd_coef > 0 else 0
             with timer("teacher", timing):
                 batch = batch.union(self.teacher_wg.call(TeacherWorker.compute_teacher_log_prob, batch))
+            if jsd_coef > 0:  # the actor's loss adds jsd_coef x GKD's JSD to those (hflow.algorithms.distill)
+                batch.meta_info["distill_jsd"] = {"coef": jsd_coef, "beta": float(algo.distill.jsd_beta)}
         if self.use_critic:
             with timer("values", timing):
                 batch = batch.union(self.critic_wg.call(CriticWorker.compute_values, batch))

@@ -45,13 +45,22 @@ def validate(config, tokenizer, val_dataset, collate_fn, rollouts, scorer, step:
 
 
 def dump_generations(tokenizer, batch: DataProto, path: Path, step: int) -> None:
-    """A training step's samples (`trainer.rollout_data_dir`): prompt, response, score (and episode)."""
+    """A training step's samples (`trainer.rollout_data_dir`): prompt, response, score (and episode). With a
+    distillation teacher, also the token ids as sampled (`prompt_ids`, `response_ids`: the attended ones) and
+    the teacher's log-prob of each response token (`teacher_log_prob`), so what it scored can be checked."""
     inputs = tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
     outputs = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
     scores = batch.batch["token_level_scores"].sum(-1).tolist()
     rows = [{"input": i, "output": o, "score": s, "step": step} for i, o, s in zip(inputs, outputs, scores)]
     for row, episode in zip(rows, batch.non_tensor_batch.get("episode", [])):
         row["episode"] = episode  # multi-turn: each message and tool call, readable
+    if "teacher_log_prob" in batch.batch.keys():
+        attention, length = batch.batch["attention_mask"].bool(), batch.batch["responses"].shape[-1]
+        for index, row in enumerate(rows):
+            prompt, response = attention[index, :-length], attention[index, -length:]
+            row["prompt_ids"] = batch.batch["prompts"][index][prompt].tolist()
+            row["response_ids"] = batch.batch["responses"][index][response].tolist()
+            row["teacher_log_prob"] = batch.batch["teacher_log_prob"][index][response].tolist()
     write_jsonl(path, rows)
 
 

@@ -25,6 +25,11 @@ PPO-ptx (`ptx.coef > 0`, InstructGPT): every optimizer step also draws a batch o
 on each rank (`PtxSampler`) and adds coef x its token-mean next-token NLL, normalised the same way
 over the ptx tokens of all ranks, so the term is the NLL of the step's whole ptx batch. With an
 `ema` (`ParamEMA`), the moving average is updated after every optimizer step that was taken.
+
+On-policy distillation's GKD term (`meta_info["distill_jsd"]`, from `algorithm.distill.jsd_coef`): the batch
+carries the teacher's top-k ids and log-probs per response position; each micro-batch's forward also takes the
+student's log-probs of those ids from the same logits, and coef x `distill.topk_generalized_jsd` joins the
+loss, aggregated like the policy loss over the same mask (`actor/distill_jsd`).
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ from torch.optim import Optimizer
 
 from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
+from hflow.algorithms.distill import topk_generalized_jsd
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
 from hflow.utils.packing import pack_micro_batch
 from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.lm_head import fused_lm_head
-from hflow.utils.torch_functional import block_elements_for, entropy_from_logits, logprobs_from_logits
+from hflow.utils.torch_functional import (block_elements_for, entropy_from_logits, logprobs_at, logprobs_from_logits,
+                                          topk_logprobs)
 from hflow.workers.actor.base import BasePPOActor
 from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pass
 from hflow.workers.fsdp.ema import ParamEMA
@@ -127,12 +134,25 @@ class DataParallelPPOActor(BasePPOActor):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`
         (`entropy_grad=False`: the entropy is only reported, no gradient flows through it)."""
+        log_probs, entropy, _ = self._forward_scores(micro_batch, temperature, calculate_entropy, entropy_grad)
+        return log_probs, entropy
+
+    def _forward_scores(
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
+        topk: int = 0, support: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """`_forward_micro_batch`'s (log_probs, entropy), and the distribution at each response position
+        where a loss needs it: `topk` > 0 adds `topk_ids` and `topk_log_probs` (B, L, topk), the most likely
+        tokens (the teacher's); `support` (B, L, K) ids adds `support_log_probs` (B, L, K), this model's
+        log-probs of those ids (the student's, on the teacher's top-k). All at `temperature`, 0 at padding."""
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         block = block_elements_for(getattr(self.config, "logit_block_elements", None))
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
+            if support is not None:  # (B, L, K) -> (1, slots, K), in the packed slots' order
+                support = support.reshape(-1, support.shape[-1])[packed.response_slots].unsqueeze(0)
 
             def forward() -> torch.Tensor:
                 return packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions).logits
@@ -144,7 +164,10 @@ class DataParallelPPOActor(BasePPOActor):
 
             def forward() -> torch.Tensor:
                 return self.actor_module(**inputs, use_cache=False, logits_to_keep=scoring_positions).logits
+        distribution: dict[str, torch.Tensor] = {}
         if getattr(self.config, "fused_lm_head", None):  # copied from `model` by the worker; off when absent
+            if topk or support is not None:  # preflight refuses fused_lm_head with the distillation JSD
+                raise RuntimeError("fused_lm_head builds no logits: a top-k or support distribution needs them")
             # LM head, temperature, log-prob and entropy in one blocked pass (`hflow.utils.lm_head`): the
             # model returns (..., 2) in place of the logits, which are never held
             with fused_lm_head(self.actor_module, labels, temperature, block):
@@ -163,10 +186,15 @@ class DataParallelPPOActor(BasePPOActor):
             if calculate_entropy:  # fp32, block-wise like the log-probs
                 with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
                     entropy = entropy_from_logits(logits, block)
-        if packed is not None:  # (1, K) -> (B, L), 0 at padded response tokens
+            if topk:
+                distribution["topk_ids"], distribution["topk_log_probs"] = topk_logprobs(logits, topk, labels, log_probs)
+            if support is not None:
+                distribution["support_log_probs"] = logprobs_at(logits, support.long(), labels, log_probs)
+        if packed is not None:  # (1, K, ...) -> (B, L, ...), 0 at padded response tokens
             log_probs = packed.unpack_response(log_probs[0])
             entropy = packed.unpack_response(entropy[0]) if entropy is not None else None
-        return log_probs, entropy
+            distribution = {name: packed.unpack_response(value[0]) for name, value in distribution.items()}
+        return log_probs, entropy, distribution
 
     @torch.no_grad()
     def compute_log_prob(
@@ -177,6 +205,18 @@ class DataParallelPPOActor(BasePPOActor):
         meta_info: `temperature` (required), and `micro_batch_size` or, with `use_dynamic_bsz`, the
         token budget `max_token_len` per forward.
         """
+        log_probs, entropys, _ = self._score_batch(data, calculate_entropy, topk=0)
+        return log_probs, entropys
+
+    @torch.no_grad()
+    def compute_log_prob_and_topk(self, data: DataProto, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`compute_log_prob`'s log-probs (N, L) and, from the same forward, the `topk` most likely tokens at
+        each response position: ids (N, L, topk) int32 and their log-probs (N, L, topk) (the teacher's)."""
+        log_probs, _, distribution = self._score_batch(data, False, topk=topk)
+        return log_probs, distribution["topk_ids"].to(torch.int32), distribution["topk_log_probs"]
+
+    def _score_batch(self, data: DataProto, calculate_entropy: bool,
+                     topk: int) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)
@@ -187,14 +227,16 @@ class DataParallelPPOActor(BasePPOActor):
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
         )
         with no_grad_pass(self.actor_module):
-            outputs = [self._forward_micro_batch(mb, temperature, calculate_entropy) for mb in micro_batches]
-        log_probs = torch.cat([lp for lp, _ in outputs])
-        entropys = torch.cat([ent for _, ent in outputs]) if calculate_entropy else None
+            outputs = [self._forward_scores(mb, temperature, calculate_entropy, topk=topk) for mb in micro_batches]
+        log_probs = torch.cat([lp for lp, _, _ in outputs])
+        entropys = torch.cat([ent for _, ent, _ in outputs]) if calculate_entropy else None
+        distribution = {name: torch.cat([dist[name] for _, _, dist in outputs]) for name in outputs[0][2]}
         if reverse_idx is not None:
             reverse_idx = reverse_idx.to(log_probs.device)
             log_probs = log_probs[reverse_idx]
             entropys = entropys[reverse_idx] if entropys is not None else None
-        return log_probs, entropys
+            distribution = {name: value[reverse_idx] for name, value in distribution.items()}
+        return log_probs, entropys, distribution
 
     # ---- update -----------------------------------------------------------------------------------
 
@@ -217,14 +259,20 @@ class DataParallelPPOActor(BasePPOActor):
             keys.append("ref_log_prob")
         if "response_mask" in data.batch.keys():
             keys.append("response_mask")
+        # on-policy distillation's GKD term (algorithm.distill.jsd_coef, set by the trainer beside the teacher's
+        # top-k): {"coef", "beta"}, or absent
+        jsd = data.meta_info.get("distill_jsd")
+        if jsd is not None:
+            keys += ["teacher_topk_ids", "teacher_topk_log_probs"]
         batch = data.batch.select(*keys)
 
         metrics: dict[str, list[float]] = defaultdict(list)
         for mini_batch in ppo_mini_batches(batch, cfg):
-            self._update_step(mini_batch, temperature, metrics)
+            self._update_step(mini_batch, temperature, metrics, jsd)
         return dict(metrics)
 
-    def _update_step(self, mini_batch: TensorDict, temperature: float, metrics: dict[str, list[float]]) -> None:
+    def _update_step(self, mini_batch: TensorDict, temperature: float, metrics: dict[str, list[float]],
+                     jsd: Mapping[str, float] | None = None) -> None:
         cfg = self.config
         info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
         step = StepMetrics(info)
@@ -235,7 +283,7 @@ class DataParallelPPOActor(BasePPOActor):
         with update_pass(self.actor_module) as update:
             micro_batches = ppo_micro_batches(mini_batch, cfg)
             for index, micro_batch in enumerate(micro_batches):
-                loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy)
+                loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, jsd)
                 update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
                 loss.backward()
             if with_ptx:
@@ -250,13 +298,15 @@ class DataParallelPPOActor(BasePPOActor):
             self.ema.update()
 
     def _micro_batch_loss(self, micro_batch: TensorDict, temperature: float, info: GlobalBatchInfo,
-                          step: StepMetrics, report_entropy: bool) -> torch.Tensor:
+                          step: StepMetrics, report_entropy: bool,
+                          jsd: Mapping[str, float] | None = None) -> torch.Tensor:
         """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
         cfg = self.config
         mask = response_mask_of(micro_batch)
-        log_prob, entropy = self._forward_micro_batch(
+        log_prob, entropy, distribution = self._forward_scores(
             micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
             entropy_grad=cfg.entropy_coeff != 0,
+            support=micro_batch["teacher_topk_ids"] if jsd is not None else None,
         )
         # Passed only when present, so that custom losses without the keyword keep working.
         is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
@@ -285,6 +335,12 @@ class DataParallelPPOActor(BasePPOActor):
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
             loss = loss + cfg.kl_loss_coef * kl_loss
             step.add_loss("actor/kl_loss", kl_loss)
+        if jsd is not None:  # GKD: the student's distribution toward the teacher's on its top-k (+ the rest)
+            divergence = topk_generalized_jsd(distribution["support_log_probs"], micro_batch["teacher_topk_log_probs"],
+                                              float(jsd["beta"]))
+            jsd_loss = agg_loss(divergence, mask, cfg.loss_agg_mode, info)
+            loss = loss + float(jsd["coef"]) * jsd_loss
+            step.add_loss("actor/distill_jsd", jsd_loss)
         return loss
 
     def _ptx_backward(self, step: StepMetrics, update: Any, device: torch.device) -> None:

@@ -43,22 +43,27 @@ class TeacherConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")  # None = by device
     log_prob_max_token_len_per_gpu: Optional[int] = ref("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     temperature: float = ref("actor_rollout_ref.rollout.temperature")
+    topk: int = 16  # tokens of the teacher's distribution per position kept for the JSD term (algorithm.distill.jsd_coef)
     fsdp_config: TeacherFSDPConfig = field(default_factory=TeacherFSDPConfig)
 
 
 def check_teacher(config: Any) -> None:
     """Before Ray starts: a distillation weight needs a teacher, a teacher needs a distillation weight (it
-    would load for nothing), and the teacher's folder, tokenizer, batch and offload settings are usable."""
-    teacher, coef = config.teacher, float(config.algorithm.distill.coef)
+    would load for nothing), and the teacher's folder, tokenizer, batch, top-k and offload settings are usable."""
+    teacher, distill = config.teacher, config.algorithm.distill
+    weights = {"algorithm.distill.coef": float(distill.coef), "algorithm.distill.jsd_coef": float(distill.jsd_coef)}
+    check_positive(teacher.topk, "teacher.topk")
     if teacher.model.path is None:
-        if coef > 0:
-            raise ConfigError(f"algorithm.distill.coef={config.algorithm.distill.coef} distils from a teacher, but "
-                              "teacher.model.path is null; set it to a Hugging Face causal LM folder that shares the "
-                              "student's tokenizer, or set algorithm.distill.coef=0")
+        for key, weight in weights.items():
+            if weight > 0:
+                raise ConfigError(f"{key}={weight:g} distils from a teacher, but teacher.model.path is null; set it "
+                                  "to a Hugging Face causal LM folder that shares the student's tokenizer, or set "
+                                  f"{key}=0")
         return
-    if coef == 0:
-        raise ConfigError(f"teacher.model.path={teacher.model.path} is set but algorithm.distill.coef=0, so nothing "
-                          "uses the teacher; set algorithm.distill.coef > 0, or teacher.model.path=null")
+    if not any(weights.values()):
+        raise ConfigError(f"teacher.model.path={teacher.model.path} is set but algorithm.distill.coef=0 and "
+                          "algorithm.distill.jsd_coef=0, so nothing uses the teacher; set one of them > 0, or "
+                          "teacher.model.path=null")
     check_model_path(teacher.model.path, "teacher.model.path")
     check_tokenizer_path(teacher.model, "teacher.model")
     if not teacher.log_prob_use_dynamic_bsz:
@@ -66,6 +71,10 @@ def check_teacher(config: Any) -> None:
     else:
         check_positive(teacher.log_prob_max_token_len_per_gpu, "teacher.log_prob_max_token_len_per_gpu")
     check_offload(teacher.fsdp_config, "teacher.fsdp_config")
+    if float(distill.jsd_coef) > 0 and config.actor_rollout_ref.model.get("fused_lm_head"):
+        raise ConfigError("algorithm.distill.jsd_coef > 0 compares the student's distribution with the teacher's, "
+                          "which needs the student's logits, and actor_rollout_ref.model.fused_lm_head=true never "
+                          "builds them; set fused_lm_head=false, or algorithm.distill.jsd_coef=0")
 
 
 def check_teacher_vocab(config: Any) -> None:
@@ -92,6 +101,9 @@ def check_teacher_vocab(config: Any) -> None:
     rows = AutoConfig.from_pretrained(str(teacher.path), trust_remote_code=bool(teacher.trust_remote_code))
     rows = int(rows.get_text_config().vocab_size)
     needed = max(vocabs["student"].values()) + 1
+    if int(config.teacher.topk) > rows:
+        raise ConfigError(f"teacher.topk={config.teacher.topk} is more than the teacher's {rows} tokens; set it "
+                          f"to at most {rows}")
     if rows < needed:
         raise ConfigError(f"teacher.model.path={teacher.path} has {rows} embedding rows but the student's tokenizer "
                           f"({names['student']}) uses ids up to {needed - 1}; use a teacher with the student's vocabulary")

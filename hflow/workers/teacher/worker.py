@@ -55,14 +55,25 @@ class TeacherWorker(Worker, FSDPModelHolder):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """The teacher's log-probs of the sampled responses: `teacher_log_prob` (B, L)."""
+        """The teacher's log-probs of the sampled responses, `teacher_log_prob` (B, L); with
+        `meta_info["topk"]` = k > 0 (the trainer's, where the GKD term needs it), also the teacher's k most
+        likely tokens at each response position from the same forward: `teacher_topk_ids` (B, L, k) int32
+        and `teacher_topk_log_probs` (B, L, k), at the same temperature."""
         self._onload(self.teacher_module, None, self._offload_param, False)
+        topk = int(data.meta_info.get("topk", 0))
         data.meta_info.update(
             micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
             max_token_len=self.config.log_prob_max_token_len_per_gpu,
             use_dynamic_bsz=self.config.log_prob_use_dynamic_bsz,
             temperature=self.config.temperature,  # the sampler's T, as for the student's log-probs
         )
-        log_probs, _ = self.teacher.compute_log_prob(data.to(device.get_device()), calculate_entropy=False)
+        data = data.to(device.get_device())
+        if topk > 0:
+            log_probs, topk_ids, topk_log_probs = self.teacher.compute_log_prob_and_topk(data, topk)
+            columns = {"teacher_log_prob": log_probs.cpu(), "teacher_topk_ids": topk_ids.cpu(),
+                       "teacher_topk_log_probs": topk_log_probs.cpu()}
+        else:
+            log_probs, _ = self.teacher.compute_log_prob(data, calculate_entropy=False)
+            columns = {"teacher_log_prob": log_probs.cpu()}
         self._offload(self.teacher_module, None, self._offload_param, False)
-        return DataProto.from_dict({"teacher_log_prob": log_probs.cpu()})
+        return DataProto.from_dict(columns)
