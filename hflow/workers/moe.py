@@ -16,7 +16,7 @@ forward hooks on those routers, so no model code is copied or patched:
   model's own `router_aux_loss_coef` means the same): with f_e the share of the N valid tokens' top-k slots
   routed to expert e and P_e the mean router probability of e, both averaged over the R MoE layers,
 
-      aux = E * sum_e f_e * P_e          (= k when routing is uniform)
+      aux = E * sum_e f_e * P_e          (k when routing and probabilities are uniform; at most E)
 
   f_e counts the experts the forward used (the replayed ones under replay); the gradient flows through P_e.
 * **Expert load** per MoE layer: load_e = f_e / sum f (a share, summing to 1); `expert_load_max` / `_min` are

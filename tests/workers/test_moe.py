@@ -199,7 +199,7 @@ def test_update_reports_expert_load_and_adds_the_aux_loss(moe_dir, vllm_sample):
     assert 1.0 <= metrics["actor/moe/expert_load_max"][0] <= 4.0
     assert 0.0 <= metrics["actor/moe/expert_load_min"][0] <= 1.0
     assert metrics["actor/moe/routing_match"][0] > 0.99  # unmoved weights: the sampler's routing
-    assert metrics["actor/moe/aux_loss"][0] >= 2.0 - 1e-3  # >= k: the minimum, at perfectly even routing
+    assert 0.0 < metrics["actor/moe/aux_loss"][0] <= 4.0  # E sum_e f_e P_e with f_e <= 1, sum_e P_e = 1: at most E
     # zero advantages: the routers move by the aux loss alone, and not at all at coef 0
     assert moved > 1e-4
     assert router_step(0.0)[1] == 0

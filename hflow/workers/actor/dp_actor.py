@@ -125,6 +125,8 @@ class DataParallelPPOActor(BasePPOActor):
         # loss (config.router_aux_loss_coef, resolved by the worker from the model when null)
         self.is_moe = bool(moe_routers(actor_module))
         self.aux_loss_coef = float(getattr(config, "router_aux_loss_coef", None) or 0.0) if self.is_moe else 0.0
+        # the reference's section has neither key: it routes freely and has no loss
+        self.replays_routing = self.is_moe and bool(getattr(config, "router_replay", None))
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -227,7 +229,7 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _forward_keys(self, data: DataProto) -> list[str]:
         """The batch keys a forward reads: the sampler's experts too when this actor replays them."""
-        replays = self.is_moe and getattr(self.config, "router_replay", False)
+        replays = self.replays_routing
         if replays and "routed_experts" not in data.batch.keys():
             raise KeyError("actor.router_replay is on but the batch has no routed_experts: the rollout did not "
                            "record the experts it routed to")
