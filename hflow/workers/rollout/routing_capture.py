@@ -43,8 +43,7 @@ class _EngineRouting:
             starts = runner.query_start_loc.np[: num_reqs + 1].copy()
             total = int(starts[-1])
             positions = runner.positions[:total].cpu().numpy()
-            input_ids = runner.input_ids.cpu[:total].numpy() if hasattr(runner.input_ids, "cpu") else \
-                runner.input_ids[:total].cpu().numpy()
+            input_ids = runner.input_ids.cpu[:total].numpy()  # the step's token ids (a host buffer)
             self.step = [(req_id, np.arange(starts[i], starts[i + 1]), positions[starts[i]: starts[i + 1]])
                          for i, req_id in enumerate(runner.input_batch.req_ids[:num_reqs])]
             for req_id, rows, pos in self.step:
@@ -74,6 +73,10 @@ def _install(worker: Any) -> int:
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
     runner = worker.model_runner
+    missing = [name for name in ("input_batch", "query_start_loc", "positions", "input_ids") if not hasattr(runner, name)]
+    if missing:  # GPU model runner V2 lays its batch out otherwise (and has enable_return_routed_experts)
+        raise RuntimeError(f"router replay: {type(runner).__name__} has no {missing}; the capture reads vLLM's V1 "
+                           "model runner (the CPU build's) and is not wired for this engine yet")
     moe = sorted((m for m in runner.get_model().modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
     if not moe:
         raise ValueError("router replay: the engine's model has no MoE layer")
