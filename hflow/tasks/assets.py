@@ -171,13 +171,14 @@ def fit(model, steps: int, lr: float, warmup_steps: int, batch_loss: Callable[[]
 def init_and_pretrain(
     model_dir: Path, seed: int, shape: dict, pretrain: Callable[[], dict], **build_kwargs: Any
 ) -> None:
-    """A random tiny Qwen2 of `shape` (`build_causal_lm`'s shape arguments, `build_kwargs` its others)
+    """A random tiny Qwen2 (a Qwen3-MoE with `num_experts` in `build_kwargs`) of `shape` (`build_causal_lm`'s shape arguments, `build_kwargs` its others)
     in `model_dir`, then `pretrain()` on it, seeded and single-threaded; its statistics go to
     pretrain_stats.json."""
     from hflow.tasks.tiny_models import build_causal_lm
 
+    arch = "qwen3_moe" if build_kwargs.get("num_experts") else "qwen2"
     with deterministic_torch(seed):
-        build_causal_lm(model_dir, preset="tiny", arch="qwen2", seed=seed, **build_kwargs, **shape)
+        build_causal_lm(model_dir, preset="tiny", arch=arch, seed=seed, **build_kwargs, **shape)
         stats = pretrain()
     (model_dir / "pretrain_stats.json").write_text(json.dumps(stats))
 

@@ -36,6 +36,7 @@ only the arithmetic task's own parts; `hflow.tasks.agent_task` reuses its asset 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,6 +68,7 @@ __all__ = [
     "DATA_SOURCE",
     "DEFAULT_SPEC",
     "HEDGING_SPEC",
+    "MOE_SPEC",
     "QUICK_SPEC",
     "TEACHER_SPEC",
     "VERSION",
@@ -111,6 +113,11 @@ class BuiltinSpec:
     lr: float = 5e-3
     warmup_steps: int = 50
     seed: int = 0
+    # a mixture of experts (Qwen3-MoE): every MLP is num_experts experts of intermediate_size, experts_per_token
+    # of them per token; pre-trained with the load-balancing loss at aux_loss_coef. 0 = the dense Qwen2
+    num_experts: int = 0
+    experts_per_token: int = 2
+    aux_loss_coef: float = 0.01
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
@@ -120,6 +127,9 @@ class BuiltinSpec:
         fields = asdict(self)
         if not fields["p_hedge"]:
             del fields["p_hedge"]
+        if not fields["num_experts"]:  # added later too: the dense specs keep their digests
+            for key in ("num_experts", "experts_per_token", "aux_loss_coef"):
+                del fields[key]
         return fields
 
 
@@ -142,6 +152,10 @@ HEDGING_SPEC = BuiltinSpec(p_correct=0.1, p_hedge=0.45)
 # answer right), so it answers the task correctly where the default model prefers one too high
 # (`python -m hflow.tasks.builtin_task --teacher`; tests/trainer/test_distillation.py).
 TEACHER_SPEC = BuiltinSpec(p_correct=1.0)
+# The built-in model as a mixture of experts (router replay, the load-balancing loss): a Qwen3-MoE of the same
+# width with 4 experts of 128, 2 per token, pre-trained on the same sloppy corpus
+# (`python -m hflow.tasks.builtin_task --moe`; tests/workers/test_moe.py).
+MOE_SPEC = BuiltinSpec(intermediate_size=128, num_experts=4, experts_per_token=2)
 
 
 def _corpus_answers(answer: int, spec: BuiltinSpec) -> list[tuple[str, float]]:
@@ -225,6 +239,8 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hflow.workers.moe import route_and_trace
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eos = tokenizer.eos_token_id
@@ -255,11 +271,15 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
         chosen = torch.randperm(len(problems), generator=gen)[:per_step]
         rows = (per_problem * chosen[:, None] + torch.arange(per_problem)).reshape(-1)
         x, sel = ids[rows], target_mask[rows]
-        hidden = backbone(input_ids=x).last_hidden_state[:, :-1]
+        with route_and_trace(model) if spec.num_experts else contextlib.nullcontext() as trace:
+            hidden = backbone(input_ids=x).last_hidden_state[:, :-1]
         logits = head(hidden[sel])  # the LM head only where an answer token is predicted
         nll = F.cross_entropy(logits, x[:, 1:][sel], reduction="none")
         row_weight = weights_t[rows][:, None].expand_as(sel)[sel]
-        return (nll * row_weight).sum() / per_step  # expected NLL of one corpus answer per problem
+        loss = (nll * row_weight).sum() / per_step  # expected NLL of one corpus answer per problem
+        if spec.num_experts:  # the routers' load-balancing loss (right padding only: pads route after the text)
+            loss = loss + spec.aux_loss_coef * trace.aux_loss((x != tokenizer.pad_token_id).reshape(-1))
+        return loss
 
     loss = fit(model, spec.steps, spec.lr, spec.warmup_steps, batch_loss)
     model.save_pretrained(str(model_dir))
@@ -358,7 +378,8 @@ def build_builtin_assets(out_dir: str | Path, spec: BuiltinSpec = DEFAULT_SPEC) 
 def _build_model(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> None:
     shape = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
     shape = {k: getattr(spec, k) for k in shape}
-    init_and_pretrain(model_dir, spec.seed, shape, lambda: _pretrain(model_dir, problems, spec))
+    moe = {"num_experts": spec.num_experts, "experts_per_token": spec.experts_per_token} if spec.num_experts else {}
+    init_and_pretrain(model_dir, spec.seed, shape, lambda: _pretrain(model_dir, problems, spec), **moe)
 
 
 # ---------------------------------------------------------------------------------------- cache
@@ -430,6 +451,11 @@ def _main(argv: list[str]) -> int:
         help="the distillation teacher: the built-in model pre-trained without the wrong habit",
     )
     parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="the built-in model as a mixture of experts (Qwen3-MoE, 4 experts, 2 per token)",
+    )
+    parser.add_argument(
         "--model-path",
         action="store_true",
         help="print only the model folder (e.g. teacher.model.path=$(python -m hflow.tasks.builtin_task --teacher --model-path))",
@@ -440,7 +466,7 @@ def _main(argv: list[str]) -> int:
 
 
 def _print_assets(args) -> int:
-    spec = QUICK_SPEC if args.quick else TEACHER_SPEC if args.teacher else DEFAULT_SPEC
+    spec = QUICK_SPEC if args.quick else TEACHER_SPEC if args.teacher else MOE_SPEC if args.moe else DEFAULT_SPEC
     assets = ensure_builtin_assets(args.cache_dir, spec=spec)
     if args.model_path:
         print(assets.model_path)

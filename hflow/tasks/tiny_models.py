@@ -101,7 +101,7 @@ PRESETS: dict[str, TinyModelSpec] = {
     "small": TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408),
 }
 
-_ARCHITECTURES = ("qwen2", "llama")
+_ARCHITECTURES = ("qwen2", "llama", "qwen3_moe")
 
 # Qwen2's pre-tokenizer (single digits, words with their leading space, punctuation runs). transformers
 # rebuilds this pipeline for every model_type "qwen2" folder whatever tokenizer.json says, so training
@@ -170,9 +170,14 @@ def build_causal_lm(
     arch: str = "qwen2",
     seed: int = 0,
     tokenizer_kwargs: Mapping[str, Any] | None = None,
+    num_experts: int = 0,
+    experts_per_token: int = 2,
     **shape: int | bool | float,
 ) -> Path:
     """Write a randomly initialised causal LM, its configs and its tokenizer into one HF folder.
+
+    `num_experts` > 0 (with `arch="qwen3_moe"`) makes every MLP a mixture of that many experts of
+    `intermediate_size`, `experts_per_token` of them per token (top-k, renormalised).
 
     `shape` overrides fields of `PRESETS[preset]` (`hidden_size`, `num_layers`, `num_heads`,
     `num_kv_heads`, `intermediate_size`, `max_position_embeddings`, `tie_word_embeddings`,
@@ -180,7 +185,15 @@ def build_causal_lm(
     `build_tokenizer` (`vocab_size`, `extra_corpus`, `added_tokens`). Weights are fp32 safetensors
     drawn from `seed` without touching the caller's RNG. Returns the folder.
     """
-    return _build(save_dir, AutoModelForCausalLM, preset, arch, seed, shape, tokenizer_kwargs=tokenizer_kwargs)
+    moe: dict[str, Any] = {}
+    if (arch == "qwen3_moe") != (num_experts > 0):
+        raise ValueError(f"arch={arch!r} with num_experts={num_experts}: a mixture of experts is arch='qwen3_moe' "
+                         "with num_experts > 0")
+    if num_experts:
+        spec = replace(PRESETS[preset], **shape)
+        moe = {"num_experts": num_experts, "num_experts_per_tok": experts_per_token, "norm_topk_prob": True,
+               "moe_intermediate_size": spec.intermediate_size, "head_dim": spec.hidden_size // spec.num_heads}
+    return _build(save_dir, AutoModelForCausalLM, preset, arch, seed, shape, tokenizer_kwargs=tokenizer_kwargs, **moe)
 
 
 def build_token_classification(
@@ -207,7 +220,7 @@ def _build(
     seed: int,
     shape: dict[str, int | bool | float],
     tokenizer_kwargs: Mapping[str, Any] | None = None,
-    **config_kwargs: int,
+    **config_kwargs: Any,
 ) -> Path:
     if arch not in _ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not supported; choose one of {_ARCHITECTURES}")

@@ -53,6 +53,7 @@ from hflow.trainer.code_isolation import check_code_isolation
 from hflow.trainer.ppo.health import check_health_config
 from hflow.trainer.resume import check_resume_origin
 from hflow.utils.dataset.config import check_data, data_files
+from hflow.workers.moe import check_moe_settings
 from hflow.workers.config import (
     check_actor_losses,
     check_actor_ranges,
@@ -176,6 +177,8 @@ def preflight_check(config: DictConfig) -> None:
 
     if model_ok and sizes_ok:
         run(check_context_length, config)
+    if model_ok:
+        run(check_moe_settings, config)  # router replay / the load-balancing loss: an MoE model
     run(check_sampling, rollout)
     run(check_weight_bucket, rollout)
 

@@ -243,6 +243,8 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    router_replay: bool = False  # MoE: the sampler records each token's experts and the actor's forwards use them (R3)
+    router_aux_loss_coef: Optional[float] = None  # MoE load-balancing loss weight; null = the model's, 0 = off
     ptx: PtxConfig = field(default_factory=PtxConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -296,6 +298,8 @@ def check_actor_ranges(actor: Any) -> None:
                               f"advantages, e.g. 3), got {actor.clip_ratio_c}")
     errors.run(check_non_negative, actor.kl_loss_coef, f"{prefix}.kl_loss_coef")
     errors.run(check_non_negative, actor.entropy_coeff, f"{prefix}.entropy_coeff", "0: no entropy bonus")
+    errors.run(check_non_negative, actor.router_aux_loss_coef, f"{prefix}.router_aux_loss_coef",
+               "null: the model's router_aux_loss_coef, 0: off", null_ok=True)
     errors.raise_any()
 
 
@@ -464,6 +468,8 @@ def normalize_actor_rollout_ref(config: DictConfig, role: str, world_size: int, 
         check_offload(cfg.actor.fsdp_config, f"{prefix}.actor.fsdp_config")
     # The model-level flag, where DataParallelPPOActor reads it (the actor and the reference share it).
     cfg.actor.use_remove_padding = cfg.ref.use_remove_padding = bool(cfg.model.use_remove_padding)
+    # The sampler records each token's experts when the actor replays them (`hflow.workers.moe`).
+    cfg.rollout.record_routing = bool(cfg.actor.router_replay)
     check_model_kernels(cfg.model, f"{prefix}.model")
     cfg.actor.fused_lm_head = cfg.ref.fused_lm_head = bool(cfg.model.fused_lm_head)
     cfg.actor.logit_block_elements = cfg.ref.logit_block_elements = cfg.model.logit_block_elements

@@ -255,6 +255,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             self._build_ptx_and_ema()
             # perf/mfu/actor's denominator; a CPU measures its matmul peak here, once per machine (cached)
             self._peak_flops = device_peak_flops()
+            if self.config.actor.router_aux_loss_coef is None:  # null: the model's own coefficient, if it has one
+                self.config.actor.router_aux_loss_coef = float(getattr(self.hf_config, "router_aux_loss_coef", 0.0) or 0.0)
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
                                               ptx_sampler=self.ptx_sampler, ema=self.actor_ema)
         if self._is_rollout:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from contextlib import ExitStack
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ from hflow.utils.torch_functional import (block_elements_for, entropy_from_logit
 from hflow.workers.actor.base import BasePPOActor
 from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pass
 from hflow.workers.fsdp.ema import ParamEMA
+from hflow.workers.moe import RouterTrace, moe_routers, route_and_trace
 
 __all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
 
@@ -126,13 +128,21 @@ class DataParallelPPOActor(BasePPOActor):
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode) if actor_optimizer else None
         self.ptx_sampler = ptx_sampler  # PPO-ptx batches, used when config.ptx.coef > 0
         self.ema = ema
+        # MoE (`hflow.workers.moe`): replay the sampler's experts (config.router_replay), add the load-balancing
+        # loss (config.router_aux_loss_coef, resolved by the worker from the model when null)
+        self.is_moe = bool(moe_routers(actor_module))
+        self.aux_loss_coef = float(getattr(config, "router_aux_loss_coef", None) or 0.0) if self.is_moe else 0.0
+        # the reference's section has neither key: it routes freely and has no loss
+        self.replays_routing = self.is_moe and bool(getattr(config, "router_replay", None))
 
     # ---- forward ----------------------------------------------------------------------------------
 
     def _forward_micro_batch(
-        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
+        trace: list | None = None, routing: ExitStack | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`
+<<<<<<< HEAD
         (`entropy_grad=False`: the entropy is only reported, no gradient flows through it)."""
         log_probs, entropy, _ = self._forward_scores(micro_batch, temperature, calculate_entropy, entropy_grad)
         return log_probs, entropy
@@ -145,6 +155,31 @@ class DataParallelPPOActor(BasePPOActor):
         where a loss needs it: `topk` > 0 adds `topk_ids` and `topk_log_probs` (B, L, topk), the most likely
         tokens (the teacher's); `support` (B, L, K) ids adds `support_log_probs` (B, L, K), this model's
         log-probs of those ids (the student's, on the teacher's top-k). All at `temperature`, 0 at padding."""
+=======
+        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it). An MoE model
+        routes the tokens the sampler recorded (`routed_experts`, with `router_replay`) to the same experts;
+        `trace` gets the routers' `RouterTrace`, the forward's valid-token mask and the replayed experts. With
+        `routing` the routers stay hooked until it closes: after backward, where activation checkpointing
+        runs the forward again and must route as it did."""
+        if not self.is_moe:
+            return self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad)
+        valid = micro_batch["attention_mask"].reshape(-1).bool()
+        packed = bool(getattr(self.config, "use_remove_padding", False))
+        replay = None
+        if "routed_experts" in micro_batch.keys():  # (B, T, R, k) -> the forward's token order
+            replay = micro_batch["routed_experts"].flatten(0, 1)
+            replay = replay[valid] if packed else replay
+        with ExitStack() as own:
+            router_trace = (routing or own).enter_context(route_and_trace(self.actor_module, replay))
+            out = self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad)
+        if trace is not None:
+            trace.extend([router_trace, valid[valid] if packed else valid, replay])
+        return out
+
+    def _forward_tokens(
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+>>>>>>> moe
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         block = block_elements_for(getattr(self.config, "logit_block_elements", None))
@@ -221,7 +256,7 @@ class DataParallelPPOActor(BasePPOActor):
         meta = data.meta_info
         temperature = require_temperature(meta)
         micro_batches, reverse_idx = split_micro_batches(
-            data.batch.select(*_FORWARD_KEYS),
+            data.batch.select(*self._forward_keys(data)),
             micro_batch_size=meta.get("micro_batch_size"),
             max_token_len=meta.get("max_token_len"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
@@ -238,6 +273,14 @@ class DataParallelPPOActor(BasePPOActor):
             distribution = {name: value[reverse_idx] for name, value in distribution.items()}
         return log_probs, entropys, distribution
 
+    def _forward_keys(self, data: DataProto) -> list[str]:
+        """The batch keys a forward reads: the sampler's experts too when this actor replays them."""
+        replays = self.replays_routing
+        if replays and "routed_experts" not in data.batch.keys():
+            raise KeyError("actor.router_replay is on but the batch has no routed_experts: the rollout did not "
+                           "record the experts it routed to")
+        return [*_FORWARD_KEYS, "routed_experts"] if replays else list(_FORWARD_KEYS)
+
     # ---- update -----------------------------------------------------------------------------------
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
@@ -250,7 +293,7 @@ class DataParallelPPOActor(BasePPOActor):
         temperature = require_temperature(data.meta_info)
         # Without old_log_probs the update is on-policy (one mini-batch, one epoch: the trainer checks):
         # each micro-batch's detached log-probs are the old ones, ratio 1 with the policy gradient.
-        keys = [*_FORWARD_KEYS, "advantages"]
+        keys = [*self._forward_keys(data), "advantages"]
         if "old_log_probs" in data.batch.keys():
             keys.append("old_log_probs")
         if "rollout_is_weights" in data.batch.keys():  # algorithm.rollout_is: computed by the trainer
@@ -283,9 +326,16 @@ class DataParallelPPOActor(BasePPOActor):
         with update_pass(self.actor_module) as update:
             micro_batches = ppo_micro_batches(mini_batch, cfg)
             for index, micro_batch in enumerate(micro_batches):
+<<<<<<< HEAD
                 loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, jsd)
                 update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
                 loss.backward()
+=======
+                with ExitStack() as routing:  # an MoE model's routing hooks, open until after backward
+                    loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, routing)
+                    update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
+                    loss.backward()
+>>>>>>> moe
             if with_ptx:
                 self._ptx_backward(step, update, device=mini_batch["input_ids"].device)
 
@@ -298,6 +348,7 @@ class DataParallelPPOActor(BasePPOActor):
             self.ema.update()
 
     def _micro_batch_loss(self, micro_batch: TensorDict, temperature: float, info: GlobalBatchInfo,
+<<<<<<< HEAD
                           step: StepMetrics, report_entropy: bool,
                           jsd: Mapping[str, float] | None = None) -> torch.Tensor:
         """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
@@ -307,6 +358,16 @@ class DataParallelPPOActor(BasePPOActor):
             micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
             entropy_grad=cfg.entropy_coeff != 0,
             support=micro_batch["teacher_topk_ids"] if jsd is not None else None,
+=======
+                          step: StepMetrics, report_entropy: bool, routing: ExitStack | None = None) -> torch.Tensor:
+        """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
+        cfg = self.config
+        mask = response_mask_of(micro_batch)
+        trace: list = []
+        log_prob, entropy = self._forward_micro_batch(
+            micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
+            entropy_grad=cfg.entropy_coeff != 0, trace=trace, routing=routing,
+>>>>>>> moe
         )
         # Passed only when present, so that custom losses without the keyword keep working.
         is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
@@ -335,13 +396,33 @@ class DataParallelPPOActor(BasePPOActor):
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
             loss = loss + cfg.kl_loss_coef * kl_loss
             step.add_loss("actor/kl_loss", kl_loss)
+<<<<<<< HEAD
         if jsd is not None:  # GKD: the student's distribution toward the teacher's on its top-k (+ the rest)
             divergence = topk_generalized_jsd(distribution["support_log_probs"], micro_batch["teacher_topk_log_probs"],
                                               float(jsd["beta"]))
             jsd_loss = agg_loss(divergence, mask, cfg.loss_agg_mode, info)
             loss = loss + float(jsd["coef"]) * jsd_loss
             step.add_loss("actor/distill_jsd", jsd_loss)
+=======
+        if trace:
+            loss = loss + self._moe_loss(*trace, mask, step)
+>>>>>>> moe
         return loss
+
+    def _moe_loss(self, trace: RouterTrace, valid: torch.Tensor, replay: torch.Tensor | None,
+                  mask: torch.Tensor, step: StepMetrics) -> torch.Tensor:
+        """coef x the micro-batch's load-balancing loss (`hflow.workers.moe`), weighted by its share of the
+        step's response tokens like a token mean; the expert-load and replay metrics go to `step`."""
+        aux = trace.aux_loss(valid)
+        step.add_token_mean("actor/moe/aux_loss", aux, mask)
+        for name, value in trace.expert_load(valid).items():
+            step.add_token_mean(f"actor/moe/{name}", value, mask)
+        if replay is not None:  # the share of recorded (token, layer) pairs whose own top-k is the sampler's
+            matching, recorded = trace.routing_match(replay)
+            step.add_token_mean("actor/moe/routing_match", matching / recorded.clamp(min=1.0), mask)
+        if not self.aux_loss_coef:
+            return aux.new_zeros(())
+        return self.aux_loss_coef * aux * (mask.sum() / max(step.info.num_tokens, 1.0) * step.info.dp_size)
 
     def _ptx_backward(self, step: StepMetrics, update: Any, device: torch.device) -> None:
         """Accumulate coef x the ptx language-modelling loss of this step's pre-training batch (its backwards

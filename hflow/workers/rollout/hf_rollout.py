@@ -8,6 +8,7 @@ is done (ranks that stop early would otherwise leave the others waiting in an al
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from hflow.workers.rollout.base import (
     resolve_sampling,
 )
 from hflow.workers.fsdp.passes import compute_weights
+from hflow.workers.moe import NOT_ROUTED, RoutingRecorder
 from hflow.workers.rollout.multi_turn import MultiTurnRollout
 
 __all__ = ["HFRollout"]
@@ -48,6 +50,8 @@ class HFRollout(BaseRollout):
         self.response_length = int(config.response_length)
         self.calculate_log_probs = bool(config.calculate_log_probs)
         self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
+        # router replay: record the experts every token was routed to (set by the worker from actor.router_replay)
+        self.record_routing = bool(config.get("record_routing", False))
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -88,18 +92,10 @@ class HFRollout(BaseRollout):
         attention_mask = prompts.batch["attention_mask"]
         eos_token_id = prompts.meta_info["eos_token_id"]
         pad_token_id = prompts.meta_info["pad_token_id"]
-        out = self.module.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=self.response_length,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            use_cache=True,
-            return_dict_in_generate=True,
-            output_scores=self.calculate_log_probs,
-            synced_gpus=_synced(),
-            **self._sampling_kwargs(settings, settings.n),
-        )
+        rows = input_ids.shape[0] * (1 if settings.greedy else settings.n)
+        recorder = RoutingRecorder(self.module, rows) if self.record_routing else nullcontext()
+        with recorder:
+            out = self._generate_ids(input_ids, attention_mask, settings, eos_token_id, pad_token_id)
         generated = out.sequences[:, input_ids.shape[1] :]
         responses = pad_sequence_to_length(generated, self.response_length, pad_token_id)
 
@@ -111,7 +107,27 @@ class HFRollout(BaseRollout):
             valid = get_response_mask(generated, eos_token_id, dtype=torch.bool)
             log_probs = log_probs.masked_fill(~valid, LOG_PROB_PAD)
             log_probs = pad_sequence_to_length(log_probs, self.response_length, LOG_PROB_PAD)
-        return assemble_rollout_output(prompts, responses, settings.n, log_probs)
+        output = assemble_rollout_output(prompts, responses, settings.n, log_probs)
+        if self.record_routing:  # (B·n, P+L, R, k) in input_ids' layout, -1 where no forward ran a valid token
+            routed = recorder.routed_experts(rows, output.batch["input_ids"].shape[1])
+            routed[output.batch["attention_mask"].cpu() == 0] = NOT_ROUTED
+            output.batch["routed_experts"] = routed.to(input_ids.device)
+        return output
+
+    def _generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: SamplingSettings,
+                      eos_token_id: Any, pad_token_id: int) -> Any:
+        return self.module.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=self.response_length,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=self.calculate_log_probs,
+            synced_gpus=_synced(),
+            **self._sampling_kwargs(settings, settings.n),
+        )
 
 
 def _synced() -> bool:

@@ -57,6 +57,8 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from hflow.agent.loop import TurnEngine, TurnResult  # noqa: E402
+from hflow.workers.moe import per_expert_weights  # noqa: E402
+from hflow.workers.rollout import routing_capture  # noqa: E402
 from hflow.workers.rollout.multi_turn import MultiTurnRollout  # noqa: E402
 from hflow.workers.rollout.router import RouterClient, request_seed, serve_rows  # noqa: E402
 
@@ -102,6 +104,10 @@ class vLLMRollout(BaseRollout):
         self.init_s = time.perf_counter() - started
         self.multi_turn = MultiTurnRollout(config, tokenizer) if config.multi_turn.enable else None
         self._endpoint_calls = 0  # generate calls served through the agent endpoint (their request seeds' batch)
+        # router replay: record the experts every token was routed to (set by the worker from actor.router_replay)
+        self.record_routing = bool(config.get("record_routing", False))
+        if self.record_routing:
+            routing_capture.install(self.llm)
         backend = engine_kwargs["distributed_executor_backend"] or "in-process"
         logger.info("vLLM engine ready in %.1fs (%s)", self.init_s, backend)
         if self.calculate_log_probs and (int(config.top_k) > 0 or float(config.top_p) < 1):
@@ -159,7 +165,8 @@ class vLLMRollout(BaseRollout):
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": int(config.max_num_seqs),
             "enable_chunked_prefill": enable_chunked_prefill,
-            "enable_prefix_caching": bool(config.enable_prefix_caching),
+            # a cached prefix runs no forward, so router replay could not know its experts
+            "enable_prefix_caching": bool(config.enable_prefix_caching) and not config.get("record_routing", False),
             "load_format": "dummy" if load_format.startswith("dummy") else load_format,
             "seed": int(config.seed),
             "disable_log_stats": True,
@@ -224,7 +231,22 @@ class vLLMRollout(BaseRollout):
 
         response_ids = pad_2d_list_to_length(responses, pad_token_id, max_length=self.response_length)
         rollout_log_probs = pad_log_probs(log_probs, self.response_length) if self.calculate_log_probs else None
-        return assemble_rollout_output(prompts, response_ids, settings.n, rollout_log_probs)
+        output = assemble_rollout_output(prompts, response_ids, settings.n, rollout_log_probs)
+        if self.record_routing:
+            output.batch["routed_experts"] = self._routed_experts(prompts, responses, settings.n, output)
+        return output
+
+    def _routed_experts(self, prompts: DataProto, responses: list[list[int]], n: int, output: DataProto) -> torch.Tensor:
+        """The experts the engine routed each sample's tokens to, (B·n, P+L, R, k) in input_ids' layout."""
+        found = routing_capture.take(self.llm)
+        shapes = {experts.shape[1:] for candidates in found.values() for experts in candidates}
+        if len(shapes) != 1:
+            raise RuntimeError(f"router replay: the engine recorded no routing for this batch (shapes {shapes})")
+        prompt_ids = [ids for ids in prompt_token_ids(prompts) for _ in range(n)]
+        routed = routing_capture.routed_experts_for(found, prompt_ids, responses, output.batch["input_ids"].shape[1],
+                                                    prompts.batch["input_ids"].shape[1], shapes.pop())
+        routed[output.batch["attention_mask"].cpu() == 0] = -1
+        return routed.to(output.batch["input_ids"].device)
 
     @torch.no_grad()
     def serve(self, client: RouterClient, engine_id: int, resolved: dict, weight_updates: WeightUpdates | None = None,
@@ -366,7 +388,8 @@ class vLLMRollout(BaseRollout):
         vLLM repacks every linear layer at load time, so writing to the model's parameters does
         nothing. The prefix cache is then reset, or cached prompt KV would keep the old weights.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        # an MoE's experts as vLLM names them (transformers keeps each layer's experts in one 3D tensor)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": per_expert_weights(named_tensors)})
         if self.tied_embeddings:
             self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
