@@ -142,27 +142,28 @@ class DataParallelPPOActor(BasePPOActor):
         trace: list | None = None, routing: ExitStack | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`
-<<<<<<< HEAD
-        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it)."""
-        log_probs, entropy, _ = self._forward_scores(micro_batch, temperature, calculate_entropy, entropy_grad)
+        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it). `trace` and
+        `routing` as in `_forward_scores`."""
+        log_probs, entropy, _ = self._forward_scores(micro_batch, temperature, calculate_entropy, entropy_grad,
+                                                     trace=trace, routing=routing)
         return log_probs, entropy
 
     def _forward_scores(
         self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
-        topk: int = 0, support: torch.Tensor | None = None,
+        topk: int = 0, support: torch.Tensor | None = None, trace: list | None = None,
+        routing: ExitStack | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """`_forward_micro_batch`'s (log_probs, entropy), and the distribution at each response position
         where a loss needs it: `topk` > 0 adds `topk_ids` and `topk_log_probs` (B, L, topk), the most likely
         tokens (the teacher's); `support` (B, L, K) ids adds `support_log_probs` (B, L, K), this model's
-        log-probs of those ids (the student's, on the teacher's top-k). All at `temperature`, 0 at padding."""
-=======
-        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it). An MoE model
-        routes the tokens the sampler recorded (`routed_experts`, with `router_replay`) to the same experts;
-        `trace` gets the routers' `RouterTrace`, the forward's valid-token mask and the replayed experts. With
-        `routing` the routers stay hooked until it closes: after backward, where activation checkpointing
-        runs the forward again and must route as it did."""
+        log-probs of those ids (the student's, on the teacher's top-k). All at `temperature`, 0 at padding.
+
+        An MoE model routes the tokens the sampler recorded (`routed_experts`, with `router_replay`) to the
+        same experts; `trace` gets the routers' `RouterTrace`, the forward's valid-token mask and the replayed
+        experts. With `routing` the routers stay hooked until it closes: after backward, where activation
+        checkpointing runs the forward again and must route as it did."""
         if not self.is_moe:
-            return self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad)
+            return self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support)
         valid = micro_batch["attention_mask"].reshape(-1).bool()
         packed = bool(getattr(self.config, "use_remove_padding", False))
         replay = None
@@ -171,15 +172,15 @@ class DataParallelPPOActor(BasePPOActor):
             replay = replay[valid] if packed else replay
         with ExitStack() as own:
             router_trace = (routing or own).enter_context(route_and_trace(self.actor_module, replay))
-            out = self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad)
+            out = self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support)
         if trace is not None:
             trace.extend([router_trace, valid[valid] if packed else valid, replay])
         return out
 
     def _forward_tokens(
-        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
->>>>>>> moe
+        self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool,
+        topk: int, support: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         block = block_elements_for(getattr(self.config, "logit_block_elements", None))
@@ -326,16 +327,11 @@ class DataParallelPPOActor(BasePPOActor):
         with update_pass(self.actor_module) as update:
             micro_batches = ppo_micro_batches(mini_batch, cfg)
             for index, micro_batch in enumerate(micro_batches):
-<<<<<<< HEAD
-                loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, jsd)
-                update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
-                loss.backward()
-=======
                 with ExitStack() as routing:  # an MoE model's routing hooks, open until after backward
-                    loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, routing)
+                    loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, jsd,
+                                                  routing)
                     update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
                     loss.backward()
->>>>>>> moe
             if with_ptx:
                 self._ptx_backward(step, update, device=mini_batch["input_ids"].device)
 
@@ -348,26 +344,16 @@ class DataParallelPPOActor(BasePPOActor):
             self.ema.update()
 
     def _micro_batch_loss(self, micro_batch: TensorDict, temperature: float, info: GlobalBatchInfo,
-<<<<<<< HEAD
-                          step: StepMetrics, report_entropy: bool,
-                          jsd: Mapping[str, float] | None = None) -> torch.Tensor:
-        """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
-        cfg = self.config
-        mask = response_mask_of(micro_batch)
-        log_prob, entropy, distribution = self._forward_scores(
-            micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
-            entropy_grad=cfg.entropy_coeff != 0,
-            support=micro_batch["teacher_topk_ids"] if jsd is not None else None,
-=======
-                          step: StepMetrics, report_entropy: bool, routing: ExitStack | None = None) -> torch.Tensor:
+                          step: StepMetrics, report_entropy: bool, jsd: Mapping[str, float] | None = None,
+                          routing: ExitStack | None = None) -> torch.Tensor:
         """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
         cfg = self.config
         mask = response_mask_of(micro_batch)
         trace: list = []
-        log_prob, entropy = self._forward_micro_batch(
+        log_prob, entropy, distribution = self._forward_scores(
             micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
-            entropy_grad=cfg.entropy_coeff != 0, trace=trace, routing=routing,
->>>>>>> moe
+            entropy_grad=cfg.entropy_coeff != 0,
+            support=micro_batch["teacher_topk_ids"] if jsd is not None else None, trace=trace, routing=routing,
         )
         # Passed only when present, so that custom losses without the keyword keep working.
         is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}
@@ -396,17 +382,14 @@ class DataParallelPPOActor(BasePPOActor):
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, info)
             loss = loss + cfg.kl_loss_coef * kl_loss
             step.add_loss("actor/kl_loss", kl_loss)
-<<<<<<< HEAD
         if jsd is not None:  # GKD: the student's distribution toward the teacher's on its top-k (+ the rest)
             divergence = topk_generalized_jsd(distribution["support_log_probs"], micro_batch["teacher_topk_log_probs"],
                                               float(jsd["beta"]))
             jsd_loss = agg_loss(divergence, mask, cfg.loss_agg_mode, info)
             loss = loss + float(jsd["coef"]) * jsd_loss
             step.add_loss("actor/distill_jsd", jsd_loss)
-=======
         if trace:
             loss = loss + self._moe_loss(*trace, mask, step)
->>>>>>> moe
         return loss
 
     def _moe_loss(self, trace: RouterTrace, valid: torch.Tensor, replay: torch.Tensor | None,
