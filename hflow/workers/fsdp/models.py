@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     GenerationConfig,
@@ -213,9 +214,10 @@ def load_causal_lm(
     other ranks get an empty (meta-device) model to shard inside `weights_from_rank0`.
     """
     config = _load_config(path, override_config, trust_remote_code)
-    return _on_this_rank(
-        AutoModelForCausalLM, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
-    )
+    # a vision-language model (Qwen2-VL's family: a `vision_config` beside the text model's) is its
+    # image-text class, which reads `pixel_values` beside the ids; a text-only forward works unchanged
+    auto_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return _on_this_rank(auto_class, path, config, dtype, attn_implementation, trust_remote_code, rank0_only)
 
 
 def load_value_model(

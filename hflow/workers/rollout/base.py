@@ -34,7 +34,7 @@ from hflow.utils.torch_functional import get_response_mask
 __all__ = ["BaseRollout", "SamplingSettings", "WeightUpdates", "assemble_rollout_output", "resolve_sampling"]
 
 # Non-tensor keys generation reads and does not pass on.
-CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs", "agent_kwargs")
+CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs", "agent_kwargs", "multi_modal_data")
 
 # Value of `rollout_log_probs` past the end of a response. Those positions are masked out
 # everywhere; 0.0 keeps any unmasked sum over a row equal to the response's log-likelihood.

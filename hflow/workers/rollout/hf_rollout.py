@@ -21,6 +21,7 @@ from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.device import empty_cache
 from hflow.utils.torch_functional import get_response_mask, pad_sequence_to_length
+from hflow.utils.vision import MM_INPUTS, batch_vision_inputs, mm_token_type_ids
 from hflow.workers.rollout.base import (
     LOG_PROB_PAD,
     BaseRollout,
@@ -40,6 +41,11 @@ class HFRollout(BaseRollout):
 
     `rollout_log_probs` are `log_softmax` of the scores `generate` samples from, i.e. after the
     temperature and top-k/top-p warpers: the same quantity the vLLM rollout reports.
+
+    Prompts with images (a vision-language model; the dataset's non-tensor `multi_modal_inputs`) go to
+    `generate` with their `pixel_values` and `image_grid_thw` and the image-token types the model needs for
+    its multimodal positions; `generate` encodes each image once and repeats its features for the `n`
+    samples. (Single-turn; the multi-turn waves take text prompts only.)
     """
 
     def __init__(self, module: nn.Module, config: DictConfig, tokenizer: Any = None) -> None:
@@ -91,6 +97,7 @@ class HFRollout(BaseRollout):
         out = self.module.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            **self._vision_kwargs(prompts),
             max_new_tokens=self.response_length,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
@@ -112,6 +119,15 @@ class HFRollout(BaseRollout):
             log_probs = log_probs.masked_fill(~valid, LOG_PROB_PAD)
             log_probs = pad_sequence_to_length(log_probs, self.response_length, LOG_PROB_PAD)
         return assemble_rollout_output(prompts, responses, settings.n, log_probs)
+
+
+    def _vision_kwargs(self, prompts: DataProto) -> dict[str, torch.Tensor]:
+        """The images of these prompts, as the model's processor would hand them to `generate`."""
+        rows = prompts.non_tensor_batch.get(MM_INPUTS)
+        vision = batch_vision_inputs(rows if rows is not None else [], prompts.batch["input_ids"].device)
+        if vision:
+            vision["mm_token_type_ids"] = mm_token_type_ids(self.module, prompts.batch["input_ids"])
+        return vision
 
 
 def _synced() -> bool:
