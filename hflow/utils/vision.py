@@ -28,14 +28,50 @@ import torch
 
 from hflow.utils.errors import ConfigError, DataError
 
-__all__ = ["IMAGE_PLACEHOLDER", "MM_INPUTS", "ImageTextProcessor", "batch_vision_inputs", "decode_image", "has_vision_tower",
+__all__ = ["IMAGE_PLACEHOLDER", "MM_INPUTS", "PROCESSOR_FILES", "ImageTextProcessor", "batch_vision_inputs",
+           "copy_processor_files", "decode_image", "freeze_vision_tower", "has_vision_tower",
            "load_processor", "mm_token_type_ids", "packed_rope_positions", "rope_positions",
-           "split_image_placeholders"]
+           "split_image_placeholders", "vision_tower"]
 
 IMAGE_PLACEHOLDER = "<image>"
 MM_INPUTS = "multi_modal_inputs"  # the non-tensor column of each sample's vision inputs (a dict; {} without images)
 # The image processor's file in a model folder; without it the folder has no processor for images.
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+# What a model folder holds for its processor besides the tokenizer's files (which `save_pretrained` writes).
+PROCESSOR_FILES = (IMAGE_PROCESSOR_FILE, "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def copy_processor_files(source: str | os.PathLike, dest: str | os.PathLike) -> list[str]:
+    """Copy a model folder's processor files (`PROCESSOR_FILES` that exist) into an export of it, so the
+    export loads with its processor as the original does. Returns the names copied."""
+    import shutil
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dest, name))
+            copied.append(name)
+    return copied
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder (with its patch merger) of a Qwen2-VL-family model (`model.visual`), else None."""
+    for owner in (model, getattr(model, "model", None)):
+        if owner is not None and isinstance(getattr(owner, "visual", None), torch.nn.Module):
+            return owner.visual
+    return None
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> None:
+    """`actor.freeze_vision_tower`: the vision encoder keeps its weights (no gradient, no optimizer state);
+    the language model trains on."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ConfigError(f"actor_rollout_ref.actor.freeze_vision_tower=true, but the model ({type(model).__name__}) "
+                          "has no vision tower; set it to false for a text-only model")
+    tower.requires_grad_(False)
 
 
 def has_vision_tower(model_path: str) -> bool:
@@ -169,11 +205,12 @@ def batch_vision_inputs(rows: Sequence[dict[str, torch.Tensor] | None], device: 
             for key in ("pixel_values", "image_grid_thw")}
 
 
-def _language_model_owner(model: torch.nn.Module) -> Any:
-    """The module that has `get_rope_index` (Qwen2-VL: `model.model`)."""
-    for candidate in (model, getattr(model, "model", None)):
-        if candidate is not None and hasattr(candidate, "get_rope_index"):
-            return candidate
+def _rope_owner(model: torch.nn.Module) -> Any:
+    """The first module of `model` whose class has `get_rope_index` (Qwen2-VL: the model itself, under any
+    wrapper: FSDP2 keeps the class, PEFT wraps it)."""
+    for module in model.modules():
+        if hasattr(type(module), "get_rope_index"):
+            return module
     raise TypeError(f"{type(model).__name__} has no get_rope_index: it is not a Qwen2-VL-family model, whose "
                     "multimodal rotary positions hflow computes")
 
@@ -188,8 +225,8 @@ def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """Multimodal rotary positions (3, B, T) of a padded batch, each row from its own valid tokens (the
     padding skipped), with the model's own rule (`get_rope_index`). Given to the model explicitly, so it
     keeps no state between calls (Qwen2-VL caches `rope_deltas` when it computes them itself)."""
-    owner = _language_model_owner(model)
-    positions, _ = owner.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids(model, input_ids),
+    owner = _rope_owner(model)
+    positions, _ = owner.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids(owner, input_ids),
                                         image_grid_thw=image_grid_thw, attention_mask=attention_mask)
     return positions
 

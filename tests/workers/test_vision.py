@@ -102,15 +102,15 @@ def test_processor_and_dataset_count_image_tokens(vl_dir, tokenizer, processor, 
         assert len(grids) == len(item["multi_modal_data"].get("image", []))
     assert dataset[1]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 6, 8], [1, 8, 4]]
     assert dataset[2]["multi_modal_inputs"] == {}
-    # the image tokens count against max_prompt_length: with a limit that every prompt's text fits, the
-    # rows whose images push them over are dropped, and only those
+    # the image tokens count against max_prompt_length: a limit one token short of the two-image row drops it
+    # (20 of its tokens are image tokens), and exactly the rows longer than the limit
     full = [len(dataset[i]["raw_prompt_ids"]) for i in range(len(dataset))]
-    text = [n - dataset[i]["raw_prompt_ids"].count(image_token) for i, n in enumerate(full)]
-    limit = max(text)
+    limit = full[1] - 1
+    assert full[1] - dataset[1]["raw_prompt_ids"].count(image_token) < limit - 10
     small = RLHFDataset(str(tmp_path / "train.parquet"), tokenizer, data_config(max_prompt_length=limit),
                         processor=processor)
-    assert small.num_filtered == sum(n > limit for n in full) >= 1
     assert [small[i]["index"] for i in range(len(small))] == [i for i, n in enumerate(full) if n <= limit]
+    assert small.num_filtered == sum(n > limit for n in full) >= 1
 
 
 @pytest.mark.parametrize("case", ["missing_file", "unreadable", "too_many_placeholders", "too_few_placeholders"])
@@ -241,3 +241,92 @@ def test_hf_rollout_log_probs_match_the_actor(vl_dir, prompts, remove_padding):
     log_probs, _ = actor.compute_log_prob(out)
     mask = out.batch["attention_mask"][:, -RESPONSE_LEN:].bool()
     assert (log_probs - out.batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+
+
+def test_frozen_vision_tower_fsdp_units_and_export(vl_dir, batch, tokenizer, world_of_one, tmp_path):
+    """`freeze_vision_tower` leaves the encoder's weights and trains the language model; FSDP2 wraps each vision
+    block as its own unit; the HF export keeps the processor files, so it loads as a vision-language model."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForImageTextToText
+
+    from hflow.utils.vision import freeze_vision_tower
+    from hflow.workers.fsdp import apply_fsdp2
+    from hflow.workers.fsdp.checkpoint import save_hf_model
+
+    model = make_actor(vl_dir, remove_padding=True).actor_module
+    freeze_vision_tower(model)
+    apply_fsdp2(model, world_of_one, fsdp_on_one_rank=True)
+    units = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    assert {"model.visual.blocks.0", "model.visual.blocks.1", "model.language_model.layers.0"} <= units
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    actor = DataParallelPPOActor(make_actor(vl_dir, True).config, model, torch.optim.SGD(trainable, lr=0.1))
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    actor.update_policy(batch)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])}
+    assert changed and not any("visual" in n for n in changed)
+    assert any("language_model" in n for n in changed)
+
+    save_hf_model(model, tmp_path / "export", tokenizer=tokenizer)
+    assert load_processor(str(tmp_path / "export"), tokenizer) is not None
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "export")
+    name = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(exported.state_dict()[name], model.state_dict()[name].full_tensor())
+
+
+def test_geo3k_preprocessing_feeds_the_dataset(tokenizer, processor, tmp_path):
+    """examples/data_preprocess/geo3k.py on Hub-shaped shards: rows the vision dataset loads, and the
+    scorer its data_source names."""
+    import importlib.util
+
+    from hflow.reward.score import default_compute_score
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "data_preprocess" / "geo3k.py"
+    spec = importlib.util.spec_from_file_location("geo3k", script)
+    geo3k = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(geo3k)
+    shards = tmp_path / "hub"
+    shards.mkdir()
+    write(shards / "train-00000-of-00001.parquet", [
+        {"problem": "<image>Find x.", "answer": "3\\sqrt{2}", "images": [image(png(84, 56, 0))]},
+        {"problem": "Find the area of the triangle.", "answer": "12", "images": [image(png(56, 56, 1))]},
+    ])
+    [path] = geo3k.main(["--input", str(shards), "--local_dir", str(tmp_path / "geo3k")])
+    dataset = RLHFDataset(str(path), tokenizer, data_config(), processor=processor)
+    assert len(dataset) == 2 and dataset[1]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert default_compute_score("hiyouga/geometry3k", "so x = \\boxed{3\\sqrt{2}}", "3\\sqrt{2}") == 1.0
+
+
+def test_vllm_requests_carry_the_images(prompts, tokenizer):
+    """What the vLLM rollout hands the engine (vLLM's CPU build cannot run Qwen2-VL: docs/architecture.md): each
+    image's run of pad tokens collapsed to one, the images as multi_modal_data, text rows as they were."""
+    from hflow.workers.rollout.base import engine_requests, refuse_images
+
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    requests = engine_requests(prompts, image_token)
+    for request, ids, data in zip(requests, prompts.non_tensor_batch["raw_prompt_ids"],
+                                  prompts.non_tensor_batch["multi_modal_data"]):
+        images = data.get("image", [])
+        assert request["prompt_token_ids"].count(image_token) == len(images)
+        assert [t for t in request["prompt_token_ids"] if t != image_token] == [t for t in ids if t != image_token]
+        assert request.get("multi_modal_data", {}).get("image", []) == images
+    assert "multi_modal_data" not in requests[2]  # the text-only row
+    with pytest.raises(ValueError, match="no image token"):
+        engine_requests(prompts, None)
+    with pytest.raises(NotImplementedError, match="multi-turn .* do not take images"):
+        refuse_images(prompts, "multi-turn rollouts")
+
+
+def test_lora_adapts_the_language_model_only(vl_dir, batch):
+    """LoRA on a vision-language model: adapters on the language model's linears, none in the vision tower;
+    the wrapped model forwards images (B = 0 at the start: the base model's log-probs)."""
+    from hflow.workers.fsdp.lora import add_lora
+
+    base = make_actor(vl_dir, remove_padding=True)
+    expected, _ = base.compute_log_prob(batch)
+    lora = add_lora(base.actor_module, rank=4, alpha=8)
+    adapted = {name.split(".lora_A")[0] for name, _ in lora.named_parameters() if ".lora_A." in name}
+    assert adapted and not any("visual" in name for name in adapted)
+    assert any("language_model.layers.0.self_attn.q_proj" in name for name in adapted)
+    log_probs, _ = DataParallelPPOActor(base.config, lora).compute_log_prob(batch)
+    assert torch.allclose(log_probs, expected, atol=ATOL)

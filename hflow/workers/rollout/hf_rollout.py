@@ -27,6 +27,7 @@ from hflow.workers.rollout.base import (
     BaseRollout,
     SamplingSettings,
     assemble_rollout_output,
+    refuse_images,
     resolve_sampling,
 )
 from hflow.workers.fsdp.passes import compute_weights
@@ -65,6 +66,7 @@ class HFRollout(BaseRollout):
         try:
             with compute_weights(self.module, accumulate_grads=False):
                 if self.multi_turn is not None:
+                    refuse_images(prompts, "multi-turn HF rollouts")
                     engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"],
                                          prompts.meta_info["pad_token_id"])
                     return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
