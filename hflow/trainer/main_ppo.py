@@ -86,6 +86,7 @@ def build_trainer(config: DictConfig):
     from hflow.trainer.ppo.ray_trainer import RayPPOTrainer
     from hflow.utils.dataset import RLHFDataset, collate_fn, create_train_dataloader
     from hflow.reward.managers import load_reward_manager
+    from hflow.utils.vision import load_processor
 
     tokenizer = load_tokenizer(config.actor_rollout_ref.model, "actor_rollout_ref.model")
     tools = None
@@ -95,8 +96,12 @@ def build_trainer(config: DictConfig):
         from hflow.workers.rollout.multi_turn import load_rollout_tools
 
         tools = tool_schemas(load_rollout_tools(multi_turn))
-    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools)
-    val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files", tools=tools)
+    # a vision-language model's image processor (None for a text-only model: data with images is refused)
+    model_cfg = config.actor_rollout_ref.model
+    processor = load_processor(model_cfg.path, tokenizer, model_cfg.trust_remote_code)
+    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools, processor=processor)
+    val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files", tools=tools,
+                              processor=processor)
     train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1, training=False)

@@ -227,7 +227,10 @@ class TransformerShape:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> TransformerShape:
-        """From a Hugging Face config (an object or a dict) of a Llama/Qwen2-style model."""
+        """From a Hugging Face config (an object or a dict) of a Llama/Qwen2-style model (a vision-language
+        model's: its language model's; the vision tower's FLOPs are not counted)."""
+        if not isinstance(config, Mapping) and hasattr(config, "vision_config"):
+            config = config.get_text_config()
         get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(

@@ -59,6 +59,9 @@ __all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "pack_micro_bat
 SDPA_VARLEN = "hflow_sdpa_varlen"
 SEQUENCE_BOUNDS = "hflow_sequence_bounds"  # forward keyword: the packed offsets as a tuple of ints
 
+# The packed forward's keywords that describe the text's sequences (`PackedMicroBatch.model_inputs`).
+_PACKING_KEYWORDS = (SEQUENCE_BOUNDS, "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
 # True while `PackedMicroBatch.forward` runs a model: the mask builder below then builds no mask.
 _PACKED_FORWARD: ContextVar[bool] = ContextVar("hflow_packed_forward", default=False)
 
@@ -90,6 +93,12 @@ def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     layer). Without either (every padded forward) it is transformers' own SDPA attention, unchanged.
     query (1, H, N, D), key / value (1, H_kv, N, D) -> (1, N, H, D), as every attention function returns.
     """
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # a bidirectional attention (a vision encoder's, on its own image's patches): the packed text's bounds,
+        # which the model hands down to it with the other keywords, are not its sequences
+        kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KEYWORDS}
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     bounds = kwargs.get(SEQUENCE_BOUNDS)
     if bounds is None and kwargs.get("cu_seq_lens_q") is not None:
         bounds = kwargs["cu_seq_lens_q"].tolist()
@@ -194,9 +203,10 @@ class PackedMicroBatch:
                 "max_length_q": self.longest, "max_length_k": self.longest, SEQUENCE_BOUNDS: self.bounds}
 
     def forward(self, model: torch.nn.Module, **kwargs: Any) -> Any:
-        """`model(**self.model_inputs(), **kwargs)`, with `SDPA_VARLEN` building no attention mask."""
+        """`model(**self.model_inputs(), **kwargs)`, with `SDPA_VARLEN` building no attention mask; `kwargs`
+        may replace an input (a vision-language model's multimodal `position_ids`)."""
         with _packed_forward():
-            return model(**self.model_inputs(), **kwargs)
+            return model(**{**self.model_inputs(), **kwargs})
 
     def unpack_response(self, values: torch.Tensor) -> torch.Tensor:
         """Per-slot outputs (K, ...), in `scoring_positions` order -> (B, L, ...), zero at padded response

@@ -226,6 +226,7 @@ class EMAConfig:
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
+    freeze_vision_tower: bool = False
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (global)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one device
     use_dynamic_bsz: Optional[bool] = None  # None = by device (`resolve_device_defaults`)

@@ -25,6 +25,7 @@ from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils.batch_invariant import batch_invariant
 from hflow.utils import device
 from hflow.utils.torch_functional import last_valid_index, response_attention_mask
+from hflow.utils.vision import freeze_vision_tower
 from hflow.workers.common import load_tokenizer, memory_metrics
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_reward_model
 from hflow.workers.critic.config import normalize_critic
@@ -242,6 +243,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             self.generation_config = module.generation_config
             if self._ref_in_actor:  # adapters before sharding, so FSDP2 shards them with their layers
                 module = add_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)
+            if self._is_actor and self.config.actor.freeze_vision_tower:  # before the optimizer: no state for it
+                freeze_vision_tower(module)
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,

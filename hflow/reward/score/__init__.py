@@ -23,6 +23,7 @@ SCORERS: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
     "lighteval/MATH": math.compute_score,
     "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
     "HuggingFaceH4/MATH-500": math.compute_score,
+    "hiyouga/geometry3k": math.compute_score,  # a diagram + a \boxed{} answer (examples/data_preprocess/geo3k.py)
     "hflow/arithmetic": arithmetic.compute_score,
     "hflow/multiply": arithmetic.compute_score,  # the built-in agent task: the final answer's number
     "hflow/arithmetic-style": answer_style.compute_score,

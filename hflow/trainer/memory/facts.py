@@ -83,12 +83,15 @@ def model_numel(model_config: str, kind: str = "causal") -> tuple[int, int, dict
 
     def compute() -> dict[str, int]:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, \
+            AutoModelForTokenClassification
 
         config = AutoConfig.for_model(**json.loads(model_config))
         if kind == "value":
             config.num_labels = 1
-        auto = AutoModelForTokenClassification if kind == "value" else AutoModelForCausalLM
+        # a vision-language policy counts its vision tower too (its image-text class, as the workers load it)
+        policy = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+        auto = AutoModelForTokenClassification if kind == "value" else policy
         with torch.device("meta"):
             model = auto.from_config(config)
         sizes = {name: p.numel() for name, p in model.named_parameters()}

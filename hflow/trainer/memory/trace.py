@@ -89,7 +89,8 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 def _build(spec: PassSpec) -> nn.Module:
     """The pass's model from its config, unsharded (fake tensors under FakeTensorMode)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, \
+        AutoModelForTokenClassification
 
     import hflow.utils.packing  # noqa: F401 - registers SDPA_VARLEN
 
@@ -97,7 +98,9 @@ def _build(spec: PassSpec) -> nn.Module:
     config = AutoConfig.for_model(**raw)
     if spec.model == "value":
         config.num_labels, config.classifier_dropout = 1, 0.0
-    auto = AutoModelForTokenClassification if spec.model == "value" else AutoModelForCausalLM
+    # a vision-language policy as the workers load it; its pass is traced on text (images not planned yet)
+    policy = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if spec.model == "value" else policy
     kwargs = dict(dtype=_dtype(spec.model_dtype), attn_implementation=spec.attn_implementation)
     model = auto.from_config(config, **kwargs)
     if spec.lora is not None:
@@ -200,7 +203,7 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
     """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
     from hflow.workers.fsdp import build_optimizer, no_grad_pass, update_pass
 
-    vocab = int(model.config.vocab_size)
+    vocab = int(model.config.get_text_config().vocab_size)
     if spec.logits_positions is not None:  # the rollout engine's forward: one unsharded model, no FSDP
         tracker = MemTracker()
         tracker.track_external(model)
@@ -332,7 +335,7 @@ def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:
     b, t, length = spec.batch, spec.seq, spec.response
     rows = b * spec.micro_batches
     generator = torch.Generator().manual_seed(mesh.get_rank())
-    ids = torch.randint(5, int(model.config.vocab_size), (rows, t), generator=generator)
+    ids = torch.randint(5, int(model.config.get_text_config().vocab_size), (rows, t), generator=generator)
     mask = torch.ones((rows, t), dtype=torch.long)
     mask[:, 0] = 0
     batch = {"input_ids": ids, "responses": ids[:, t - length:].clone(), "attention_mask": mask,

@@ -37,10 +37,11 @@ def timer(name: str, timing: dict[str, float]):
 
 
 def pop_generation_inputs(batch: DataProto) -> DataProto:
-    """Move what generation reads (prompt ids, masks, positions, raw prompts) out of `batch`."""
+    """Move what generation reads (prompt ids, masks, positions, raw prompts, images) out of `batch`. The
+    images' vision inputs come back with every sample in the rollout's output, for the forwards."""
+    keys = ("raw_prompt_ids", "raw_prompt", "tools_kwargs", "agent_kwargs", "multi_modal_data", "multi_modal_inputs")
     return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                     non_tensor_batch_keys=[k for k in ("raw_prompt_ids", "raw_prompt", "tools_kwargs", "agent_kwargs")
-                                            if k in batch.non_tensor_batch])
+                     non_tensor_batch_keys=[k for k in keys if k in batch.non_tensor_batch])
 
 
 def describe_rollout_pool(ranks: list[dict[str, int]]) -> str:

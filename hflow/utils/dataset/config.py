@@ -17,6 +17,7 @@ class DataConfig:
     train_files: Any = None  # a parquet file or a list of them; None = the built-in task
     val_files: Any = None
     prompt_key: str = "prompt"
+    image_key: str = "images"
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 128
     max_response_length: int = 64

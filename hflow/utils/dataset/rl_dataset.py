@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from hflow.utils.errors import ConfigError, DataError, DataFileNotFoundError
 from hflow.utils.torch_functional import compute_position_id_with_mask
+from hflow.utils.vision import MM_INPUTS, decode_image, split_image_placeholders
 
 __all__ = ["RLHFDataset", "apply_chat_template", "collate_fn", "read_parquet", "read_parquet_schema"]
 
@@ -48,6 +49,15 @@ class RLHFDataset(Dataset):
             ``tools=``, for templates that describe tools in the prompt) and items carry ``tools_kwargs``
             (``extra_info.tools_kwargs``, {} when absent) and ``agent_kwargs`` (the row's data_source,
             agent_name, extra_info and prompt messages, for environments and simulated users).
+        processor: the model's processor for images (`hflow.utils.vision.load_processor`), None for a
+            text-only model. Rows of the ``data.image_key`` column's images (verl's convention: raw bytes, a
+            path or a ``{"bytes", "path"}`` struct each, one ``<image>`` placeholder per image in the prompt
+            text) are encoded with it: the prompt's ids hold the image tokens (and count them against
+            ``max_prompt_length``), and the item carries ``multi_modal_inputs`` (``pixel_values``,
+            ``image_grid_thw``) for the forward passes and ``multi_modal_data`` (``{"image": [PIL images]}``)
+            for the sampler. Images are read and checked at load; a missing or unreadable image, placeholders
+            that do not match the images, images for a model without an image processor, and an image prompt
+            that would need truncating stop the load, naming the row.
 
     An item has ``input_ids``, ``attention_mask``, ``position_ids`` (tensors of length
     ``max_prompt_length``, left-padded), ``raw_prompt_ids`` (the unpadded ids, for vLLM),
@@ -66,8 +76,11 @@ class RLHFDataset(Dataset):
         config: DictConfig,
         files_key: str = "data.train_files",
         tools: Sequence[dict] | None = None,
+        processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_key = config.image_key
         self.tools = list(tools) if tools else None
         self.files = resolve_files(data_files, files_key)
         self.prompt_key = config.prompt_key
@@ -98,12 +111,13 @@ class RLHFDataset(Dataset):
         self._file_starts = np.cumsum([0] + [table.num_rows for table in tables[:-1]]).tolist()
         self._kept: list[int] | None = None
         self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        self.has_images = self._check_images()
         if self._table.num_rows:
             self._render(self._table.column(self.prompt_key)[0].as_py(), 0)  # a template that fails, fails now
         self.num_filtered = 0
         if config.filter_overlong_prompts:
             self._drop_overlong()
-        elif self.truncation == "error":
+        elif self.truncation == "error" or self.has_images:  # image prompts are never truncated
             self._check_lengths()
 
     def __len__(self) -> int:
@@ -112,7 +126,12 @@ class RLHFDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self._table.slice(index, 1).to_pylist()[0]
         messages = row.pop(self.prompt_key)
-        ids = self._truncate(self._encode(messages, index), index)
+        if self.has_images:
+            ids, row[MM_INPUTS], row["multi_modal_data"] = self._encode_with_images(
+                messages, row.pop(self.image_key), index)
+        else:
+            ids = self._encode(messages, index)
+        ids = self._truncate(ids, index)
 
         padding = self.max_prompt_length - len(ids)
         input_ids = torch.tensor([self.pad_token_id] * padding + ids, dtype=torch.long)
@@ -192,8 +211,49 @@ class RLHFDataset(Dataset):
         file = bisect.bisect_right(self._file_starts, row) - 1
         return f"{self.files_key}: {self.files[file]} row {row - self._file_starts[file]}"
 
+    def _check_images(self) -> bool:
+        """Whether the data has images (a non-empty ``data.image_key`` column); then the model must have a
+        processor for them."""
+        if self.image_key not in self._table.column_names:
+            return False
+        column = self._table.column(self.image_key).combine_chunks()
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            raise DataError(f"{self.files_key}: column {self.image_key!r} (data.image_key) is {column.type}, not a "
+                            "list of images per row; store a list (bytes, paths or {'bytes', 'path'} structs)")
+        if not pc.sum(pc.list_value_length(column).fill_null(0)).as_py():
+            return False
+        if self.processor is None:
+            name = getattr(self.tokenizer, "name_or_path", "")
+            raise ConfigError(
+                f"{self.files_key} has images (column {self.image_key!r}, data.image_key) but the model ({name}) has "
+                "no image processor (no preprocessor_config.json in its folder): a text-only model cannot read them. "
+                "Use a vision-language model folder with its processor files, or drop the images column"
+            )
+        return True
+
+    def _encode_with_images(self, messages: list[dict[str, Any]], images: list[Any] | None,
+                            index: int) -> tuple[list[int], dict[str, torch.Tensor], dict[str, list]]:
+        """Ids (image tokens expanded), vision inputs and the sampler's images of one prompt."""
+        where = lambda: self._where(index)  # noqa: E731 - the row is named only on an error
+        images = [decode_image(image, where) for image in images or []]
+        messages = split_image_placeholders(messages, len(images), where)
+        text = self._render(messages, index)
+        try:
+            encoded = self.processor(text=[text], images=images or None, return_tensors="pt")
+        except ValueError as err:  # e.g. an image smaller than a merged patch, or far too long and thin
+            raise DataError(f"{where()}: the processor rejects the row's images ({err}); fix or drop the row") from None
+        ids = encoded["input_ids"][0].tolist()
+        if not images:
+            return ids, {}, {}
+        inputs = {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
+        return ids, inputs, {"image": images}
+
     def _lengths(self) -> list[int]:
-        """Token count of every templated prompt."""
+        """Token count of every templated prompt (image tokens included)."""
+        if self.has_images:
+            rows = self._table.select([self.prompt_key, self.image_key]).to_pylist()
+            return [len(self._encode_with_images(r[self.prompt_key], r[self.image_key], i)[0])
+                    for i, r in enumerate(rows)]
         prompts = self._table.column(self.prompt_key).to_pylist()
         texts = [self._render(messages, i) for i, messages in enumerate(prompts)]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -208,8 +268,10 @@ class RLHFDataset(Dataset):
             raise DataError(
                 f"{self._where(first)}: the prompt of sample {first} is {lengths[first]} tokens, longer than "
                 f"data.max_prompt_length={self.max_prompt_length} ({len(overlong)} of {len(lengths)} prompts are); "
-                "raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, or set "
-                "data.truncation to left, right or middle"
+                + ("raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, or set "
+                   "data.truncation to left, right or middle" if not self.has_images else
+                   "raise data.max_prompt_length or set data.filter_overlong_prompts=true to drop such prompts "
+                   "(prompts with images are not truncated: a cut would split an image's tokens)")
             )
 
     def _drop_overlong(self) -> None:
@@ -252,6 +314,11 @@ class RLHFDataset(Dataset):
         limit = self.max_prompt_length
         if len(ids) <= limit:
             return ids
+        if self.has_images:  # a cut through an image's tokens would leave tokens without their patches
+            raise DataError(
+                f"{self._where(index)}: the prompt of sample {index} is {len(ids)} tokens with its image tokens, "
+                f"longer than data.max_prompt_length={limit}, and prompts with images are not truncated; raise "
+                "data.max_prompt_length or set data.filter_overlong_prompts=true")
         if self.truncation == "left":
             return ids[-limit:]
         if self.truncation == "right":

@@ -9,6 +9,12 @@ configs) each micro-batch's valid tokens run as one packed row (`hflow.utils.pac
 valid response tokens' scoring positions go through the LM head, and the results are scattered back
 to (B, L): the padded path's values, 0 at padded response tokens.
 
+Images (a vision-language policy, `hflow.utils.vision`): a batch whose non-tensor `multi_modal_inputs` hold
+each sample's `pixel_values` and `image_grid_thw` gets them into every forward, each micro-batch its own rows'
+(tracked through splitting and shuffling by a `row_index` column), with the model's multimodal rotary
+positions computed for each sequence from its valid tokens; the packed forward takes those positions at the
+valid tokens (never positions computed over the packed row, which would run from one sequence into the next).
+
 Loss scaling. A mini-batch (one optimizer step) is split across the data-parallel ranks and, on
 each rank, into micro-batches (one backward each). Every loss term is aggregated with the
 mini-batch-wide denominators of `core_algos.GlobalBatchInfo` (token or sequence count summed over all
@@ -54,6 +60,7 @@ from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, 
 from hflow.utils.lm_head import fused_lm_head
 from hflow.utils.torch_functional import (block_elements_for, entropy_from_logits, logprobs_at, logprobs_from_logits,
                                           topk_logprobs)
+from hflow.utils.vision import MM_INPUTS, batch_vision_inputs, packed_rope_positions, rope_positions
 from hflow.workers.actor.base import BasePPOActor
 from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pass
 from hflow.workers.fsdp.ema import ParamEMA
@@ -62,6 +69,18 @@ from hflow.workers.moe import RouterTrace, moe_routers, route_and_trace
 __all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
 
 _FORWARD_KEYS = ("responses", "input_ids", "attention_mask", "position_ids")
+_ROW_INDEX = "row_index"  # a micro-batch's rows in the batch, to find their vision inputs
+
+
+def forward_batch(data: DataProto, keys: list[str] | tuple[str, ...]) -> tuple[TensorDict, Any]:
+    """The tensors a pass reads, and the samples' vision inputs (None without images); with them, a
+    `row_index` column follows each row through micro-batching to its inputs."""
+    batch = data.batch.select(*keys)
+    mm_inputs = data.non_tensor_batch.get(MM_INPUTS)
+    if mm_inputs is None or not any(mm_inputs):
+        return batch, None
+    batch[_ROW_INDEX] = torch.arange(len(data), device=batch.device)
+    return batch, mm_inputs
 
 
 def require_temperature(meta_info: Mapping[str, Any]) -> float:
@@ -139,19 +158,19 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _forward_micro_batch(
         self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
-        trace: list | None = None, routing: ExitStack | None = None,
+        trace: list | None = None, routing: ExitStack | None = None, mm_inputs: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs, entropy or None) of the response tokens, each (B, L), at `temperature`
-        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it). `trace` and
-        `routing` as in `_forward_scores`."""
+        (`entropy_grad=False`: the entropy is only reported, no gradient flows through it). `trace`,
+        `routing` and `mm_inputs` as in `_forward_scores`."""
         log_probs, entropy, _ = self._forward_scores(micro_batch, temperature, calculate_entropy, entropy_grad,
-                                                     trace=trace, routing=routing)
+                                                     trace=trace, routing=routing, mm_inputs=mm_inputs)
         return log_probs, entropy
 
     def _forward_scores(
         self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
         topk: int = 0, support: torch.Tensor | None = None, trace: list | None = None,
-        routing: ExitStack | None = None,
+        routing: ExitStack | None = None, mm_inputs: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """`_forward_micro_batch`'s (log_probs, entropy), and the distribution at each response position
         where a loss needs it: `topk` > 0 adds `topk_ids` and `topk_log_probs` (B, L, topk), the most likely
@@ -161,9 +180,11 @@ class DataParallelPPOActor(BasePPOActor):
         An MoE model routes the tokens the sampler recorded (`routed_experts`, with `router_replay`) to the
         same experts; `trace` gets the routers' `RouterTrace`, the forward's valid-token mask and the replayed
         experts. With `routing` the routers stay hooked until it closes: after backward, where activation
-        checkpointing runs the forward again and must route as it did."""
+        checkpointing runs the forward again and must route as it did. `mm_inputs`: the batch's vision
+        inputs per sample (`forward_batch`), None without images."""
         if not self.is_moe:
-            return self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support)
+            return self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support,
+                                        mm_inputs)
         valid = micro_batch["attention_mask"].reshape(-1).bool()
         packed = bool(getattr(self.config, "use_remove_padding", False))
         replay = None
@@ -172,29 +193,48 @@ class DataParallelPPOActor(BasePPOActor):
             replay = replay[valid] if packed else replay
         with ExitStack() as own:
             router_trace = (routing or own).enter_context(route_and_trace(self.actor_module, replay))
-            out = self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support)
+            out = self._forward_tokens(micro_batch, temperature, calculate_entropy, entropy_grad, topk, support,
+                                        mm_inputs)
         if trace is not None:
             trace.extend([router_trace, valid[valid] if packed else valid, replay])
         return out
 
     def _forward_tokens(
         self, micro_batch: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool,
-        topk: int, support: torch.Tensor | None,
+        topk: int, support: torch.Tensor | None, mm_inputs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         block = block_elements_for(getattr(self.config, "logit_block_elements", None))
+        vision, positions = {}, None
+        if mm_inputs is not None:  # this micro-batch's rows' images, and every row's own mrope positions
+            vision = batch_vision_inputs(mm_inputs[micro_batch[_ROW_INDEX].tolist()], responses.device)
+            if vision:
+                positions = rope_positions(self.actor_module, micro_batch["input_ids"], micro_batch["attention_mask"],
+                                           vision["image_grid_thw"])
+        vision, positions = {}, None
+        if mm_inputs is not None:  # this micro-batch's rows' images, and every row's own mrope positions
+            vision = batch_vision_inputs(mm_inputs[micro_batch[_ROW_INDEX].tolist()], responses.device)
+            if vision:
+                positions = rope_positions(self.actor_module, micro_batch["input_ids"], micro_batch["attention_mask"],
+                                           vision["image_grid_thw"])
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
             if support is not None:  # (B, L, K) -> (1, slots, K), in the packed slots' order
                 support = support.reshape(-1, support.shape[-1])[packed.response_slots].unsqueeze(0)
+            if positions is not None:
+                vision["position_ids"] = packed_rope_positions(positions, micro_batch["attention_mask"],
+                                                               packed.position_ids)
 
             def forward() -> torch.Tensor:
-                return packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions).logits
+                return packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions,
+                                      **vision).logits
         else:
             packed = None
             inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+            if positions is not None:
+                inputs.update(vision, position_ids=positions)
             scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
             labels = responses
 
@@ -256,14 +296,17 @@ class DataParallelPPOActor(BasePPOActor):
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)
+        batch, mm_inputs = forward_batch(data, _FORWARD_KEYS)
+        batch, mm_inputs = forward_batch(data, self._forward_keys(data))
         micro_batches, reverse_idx = split_micro_batches(
-            data.batch.select(*self._forward_keys(data)),
+            batch,
             micro_batch_size=meta.get("micro_batch_size"),
             max_token_len=meta.get("max_token_len"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
         )
         with no_grad_pass(self.actor_module):
-            outputs = [self._forward_scores(mb, temperature, calculate_entropy, topk=topk) for mb in micro_batches]
+            outputs = [self._forward_scores(mb, temperature, calculate_entropy, topk=topk, mm_inputs=mm_inputs)
+                       for mb in micro_batches]
         log_probs = torch.cat([lp for lp, _, _ in outputs])
         entropys = torch.cat([ent for _, ent, _ in outputs]) if calculate_entropy else None
         distribution = {name: torch.cat([dist[name] for _, _, dist in outputs]) for name in outputs[0][2]}
@@ -308,15 +351,15 @@ class DataParallelPPOActor(BasePPOActor):
         jsd = data.meta_info.get("distill_jsd")
         if jsd is not None:
             keys += ["teacher_topk_ids", "teacher_topk_log_probs"]
-        batch = data.batch.select(*keys)
+        batch, mm_inputs = forward_batch(data, keys)
 
         metrics: dict[str, list[float]] = defaultdict(list)
         for mini_batch in ppo_mini_batches(batch, cfg):
-            self._update_step(mini_batch, temperature, metrics, jsd)
+            self._update_step(mini_batch, temperature, metrics, jsd, mm_inputs)
         return dict(metrics)
 
     def _update_step(self, mini_batch: TensorDict, temperature: float, metrics: dict[str, list[float]],
-                     jsd: Mapping[str, float] | None = None) -> None:
+                     jsd: Mapping[str, float] | None = None, mm_inputs: Any = None) -> None:
         cfg = self.config
         info = GlobalBatchInfo.from_mask(response_mask_of(mini_batch))
         step = StepMetrics(info)
@@ -329,7 +372,7 @@ class DataParallelPPOActor(BasePPOActor):
             for index, micro_batch in enumerate(micro_batches):
                 with ExitStack() as routing:  # an MoE model's routing hooks, open until after backward
                     loss = self._micro_batch_loss(micro_batch, temperature, info, step, report_entropy, jsd,
-                                                  routing)
+                                                  routing, mm_inputs)
                     update.before_backward(last=index == len(micro_batches) - 1 and not with_ptx)
                     loss.backward()
             if with_ptx:
@@ -345,7 +388,7 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _micro_batch_loss(self, micro_batch: TensorDict, temperature: float, info: GlobalBatchInfo,
                           step: StepMetrics, report_entropy: bool, jsd: Mapping[str, float] | None = None,
-                          routing: ExitStack | None = None) -> torch.Tensor:
+                          routing: ExitStack | None = None, mm_inputs: Any = None) -> torch.Tensor:
         """The micro-batch's share of the step's loss (see the module docstring), its metrics added to `step`."""
         cfg = self.config
         mask = response_mask_of(micro_batch)
@@ -354,6 +397,7 @@ class DataParallelPPOActor(BasePPOActor):
             micro_batch, temperature, calculate_entropy=cfg.entropy_coeff != 0 or report_entropy,
             entropy_grad=cfg.entropy_coeff != 0,
             support=micro_batch["teacher_topk_ids"] if jsd is not None else None, trace=trace, routing=routing,
+            mm_inputs=mm_inputs,
         )
         # Passed only when present, so that custom losses without the keyword keep working.
         is_weights = ({"rollout_is_weights": micro_batch["rollout_is_weights"]}

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hflow.utils import device
+from hflow.utils.vision import copy_processor_files
 
 HF_DIR = "huggingface"  # config, tokenizer (+ weights with hf_model) of a checkpoint
 LORA_DIR = "lora"  # a LoRA model's adapter config
@@ -225,6 +226,15 @@ class FSDPCheckpointManager:
         return extra
 
 
+def save_tokenizer_and_processor(tokenizer, dest: str | os.PathLike) -> None:
+    """The tokenizer's files, and the processor files of the folder it was loaded from (a vision-language
+    model's image processor: without them the export would load as a text-only model)."""
+    tokenizer.save_pretrained(dest)
+    source = getattr(tokenizer, "name_or_path", None)
+    if source and os.path.isdir(source):
+        copy_processor_files(source, dest)
+
+
 def save_model_info(folder: Path, model: torch.nn.Module, tokenizer=None) -> None:
     """What reading a checkpoint offline needs beside its shards (`hflow.cli.convert_checkpoint`): the
     model's config, generation config and tokenizer in `huggingface/` (unless an hf_model export put them
@@ -235,7 +245,7 @@ def save_model_info(folder: Path, model: torch.nn.Module, tokenizer=None) -> Non
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(hf_dir)
         if tokenizer is not None:
-            tokenizer.save_pretrained(hf_dir)
+            save_tokenizer_and_processor(tokenizer, hf_dir)
     adapter = (getattr(model, "peft_config", None) or {}).get("default")
     if adapter is not None:
         adapter.save_pretrained(folder / LORA_DIR)
@@ -287,7 +297,7 @@ def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=Non
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer_and_processor(tokenizer, tmp)
     commit_folder(tmp, final)
     _barrier()
 

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     GenerationConfig,
@@ -213,9 +214,10 @@ def load_causal_lm(
     other ranks get an empty (meta-device) model to shard inside `weights_from_rank0`.
     """
     config = _load_config(path, override_config, trust_remote_code)
-    return _on_this_rank(
-        AutoModelForCausalLM, path, config, dtype, attn_implementation, trust_remote_code, rank0_only
-    )
+    # a vision-language model (Qwen2-VL's family: a `vision_config` beside the text model's) is its
+    # image-text class, which reads `pixel_values` beside the ids; a text-only forward works unchanged
+    auto_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return _on_this_rank(auto_class, path, config, dtype, attn_implementation, trust_remote_code, rank0_only)
 
 
 def load_value_model(
@@ -375,11 +377,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str | 
     """`model` wrapped by PEFT with a LoRA adapter of `rank` on `target_modules` ("all-linear": every linear
     layer but the output head); call before `apply_fsdp2`. Only the adapter's `lora_A` / `lora_B` require
     gradients, so an optimizer built from the trainable parameters holds nothing else. The base model stays
-    reachable unchanged: `with model.disable_adapter():` computes the initial policy (the reference)."""
+    reachable unchanged: `with model.disable_adapter():` computes the initial policy (the reference). A
+    vision-language model's vision tower (`model.visual`) gets no adapters: LoRA trains the language model."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    return get_peft_model(model, LoraConfig(r=int(rank), lora_alpha=alpha, target_modules=targets, bias="none"))
+    exclude = r".*\bvisual\..*" if hasattr(model.config, "vision_config") else None
+    return get_peft_model(model, LoraConfig(r=int(rank), lora_alpha=alpha, target_modules=targets, bias="none",
+                                            exclude_modules=exclude))
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -31,10 +31,11 @@ from omegaconf import DictConfig
 from hflow.protocol import DataProto
 from hflow.utils.torch_functional import get_response_mask
 
-__all__ = ["BaseRollout", "SamplingSettings", "WeightUpdates", "assemble_rollout_output", "resolve_sampling"]
+__all__ = ["BaseRollout", "SamplingSettings", "WeightUpdates", "assemble_rollout_output", "engine_requests",
+           "refuse_images", "resolve_sampling"]
 
 # Non-tensor keys generation reads and does not pass on.
-CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs", "agent_kwargs")
+CONSUMED_NON_TENSOR_KEYS = ("raw_prompt_ids", "tools_kwargs", "agent_kwargs", "multi_modal_data")
 
 # Value of `rollout_log_probs` past the end of a response. Those positions are masked out
 # everywhere; 0.0 keeps any unmasked sum over a row equal to the response's log-likelihood.
@@ -146,6 +147,35 @@ def prompt_token_ids(prompts: DataProto) -> list[list[int]]:
     ids = prompts.batch["input_ids"]
     mask = prompts.batch["attention_mask"].bool()
     return [row[keep].tolist() for row, keep in zip(ids, mask)]
+
+
+def engine_requests(prompts: DataProto, image_token_id: int | None = None) -> list[dict[str, Any]]:
+    """vLLM's requests (`TokensPrompt` dicts) for these prompts: the ids, and for a prompt with images its
+    `multi_modal_data` (`{"image": [PIL images]}`, the dataset's) with each image's run of pad tokens
+    collapsed to one, as a processor leaves the text before expanding it: the engine expands it again from
+    the images, and encodes each image once for all `n` samples of its request."""
+    rows = prompt_token_ids(prompts)
+    images = prompts.non_tensor_batch.get("multi_modal_data")
+    if images is None or not any(images):
+        return [{"prompt_token_ids": ids} for ids in rows]
+    if image_token_id is None:
+        raise ValueError("these prompts hold images but the model has no image token (config.image_token_id): "
+                         "a text-only model cannot read them")
+    requests = []
+    for ids, data in zip(rows, images):
+        if not data:
+            requests.append({"prompt_token_ids": ids})
+            continue
+        collapsed = [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+        requests.append({"prompt_token_ids": collapsed, "multi_modal_data": dict(data)})
+    return requests
+
+
+def refuse_images(prompts: DataProto, what: str) -> None:
+    """Stop a generation path that would drop the prompts' images (and sample blind)."""
+    images = prompts.non_tensor_batch.get("multi_modal_data")
+    if images is not None and any(images):
+        raise NotImplementedError(f"{what} do not take images yet; use a single-turn rollout for prompts with images")
 
 
 def pad_log_probs(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:

@@ -22,11 +22,13 @@ from hflow.protocol import DataProto
 from hflow.utils import device
 from hflow.utils.device import empty_cache
 from hflow.utils.torch_functional import get_response_mask, pad_sequence_to_length
+from hflow.utils.vision import MM_INPUTS, batch_vision_inputs, mm_token_type_ids
 from hflow.workers.rollout.base import (
     LOG_PROB_PAD,
     BaseRollout,
     SamplingSettings,
     assemble_rollout_output,
+    refuse_images,
     resolve_sampling,
 )
 from hflow.workers.fsdp.passes import compute_weights
@@ -42,6 +44,11 @@ class HFRollout(BaseRollout):
 
     `rollout_log_probs` are `log_softmax` of the scores `generate` samples from, i.e. after the
     temperature and top-k/top-p warpers: the same quantity the vLLM rollout reports.
+
+    Prompts with images (a vision-language model; the dataset's non-tensor `multi_modal_inputs`) go to
+    `generate` with their `pixel_values` and `image_grid_thw` and the image-token types the model needs for
+    its multimodal positions; `generate` encodes each image once and repeats its features for the `n`
+    samples. (Single-turn; the multi-turn waves take text prompts only.)
     """
 
     def __init__(self, module: nn.Module, config: DictConfig, tokenizer: Any = None) -> None:
@@ -63,6 +70,7 @@ class HFRollout(BaseRollout):
         try:
             with compute_weights(self.module, accumulate_grads=False):
                 if self.multi_turn is not None:
+                    refuse_images(prompts, "multi-turn HF rollouts")
                     engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"],
                                          prompts.meta_info["pad_token_id"])
                     return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
@@ -95,7 +103,8 @@ class HFRollout(BaseRollout):
         rows = input_ids.shape[0] * (1 if settings.greedy else settings.n)
         recorder = RoutingRecorder(self.module, rows) if self.record_routing else nullcontext()
         with recorder:
-            out = self._generate_ids(input_ids, attention_mask, settings, eos_token_id, pad_token_id)
+            out = self._generate_ids(input_ids, attention_mask, settings, eos_token_id, pad_token_id,
+                                     self._vision_kwargs(prompts))
         generated = out.sequences[:, input_ids.shape[1] :]
         responses = pad_sequence_to_length(generated, self.response_length, pad_token_id)
 
@@ -115,10 +124,11 @@ class HFRollout(BaseRollout):
         return output
 
     def _generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: SamplingSettings,
-                      eos_token_id: Any, pad_token_id: int) -> Any:
+                      eos_token_id: Any, pad_token_id: int, vision: dict[str, torch.Tensor]) -> Any:
         return self.module.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            **vision,
             max_new_tokens=self.response_length,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
@@ -128,6 +138,14 @@ class HFRollout(BaseRollout):
             synced_gpus=_synced(),
             **self._sampling_kwargs(settings, settings.n),
         )
+
+    def _vision_kwargs(self, prompts: DataProto) -> dict[str, torch.Tensor]:
+        """The images of these prompts, as the model's processor would hand them to `generate`."""
+        rows = prompts.non_tensor_batch.get(MM_INPUTS)
+        vision = batch_vision_inputs(rows if rows is not None else [], prompts.batch["input_ids"].device)
+        if vision:
+            vision["mm_token_type_ids"] = mm_token_type_ids(self.module, prompts.batch["input_ids"])
+        return vision
 
 
 def _synced() -> bool:

@@ -43,7 +43,9 @@ from hflow.workers.rollout.base import (
     SamplingSettings,
     WeightUpdates,
     assemble_rollout_output,
+    engine_requests,
     pad_log_probs,
+    refuse_images,
     prompt_token_ids,
     resolve_sampling,
 )
@@ -96,6 +98,7 @@ class vLLMRollout(BaseRollout):
         self.sleep_enabled = is_cuda() and bool(config.free_cache_engine)
 
         self.tied_embeddings = _ties_embeddings(model_hf_config)
+        self.image_token_id = getattr(model_hf_config, "image_token_id", None)  # a vision-language model's
         engine_kwargs = self._engine_kwargs(model_path, config, model_hf_config, device_mesh)
         if not is_cuda() and int(config.tensor_model_parallel_size) > 1:
             _remove_stale_cpu_shared_memory()
@@ -201,6 +204,7 @@ class vLLMRollout(BaseRollout):
         eos_token_id = prompts.meta_info["eos_token_id"]
         pad_token_id = prompts.meta_info["pad_token_id"]
         if self.multi_turn is not None or weight_updates is not None:
+            refuse_images(prompts, "multi-turn and interruptible (partial / async) vLLM rollouts")
             params = self._sampling_params(dataclasses.replace(settings, n=1), eos_token_id)
             agree = tensor_parallel_agreement(self.llm)
             engine = _StreamingEngine(self.llm, params, self.calculate_log_probs, weight_updates, agree)
@@ -217,7 +221,8 @@ class vLLMRollout(BaseRollout):
             if weight_updates is not None:
                 metrics["rollout/interrupted_requests"] = engine.interrupted
             return output
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids(prompts)]
+        # images travel as multi_modal_data (single-turn; the streaming paths above take text prompts)
+        requests = [TokensPrompt(**request) for request in engine_requests(prompts, self.image_token_id)]
         outputs = self.llm.generate(requests, self._sampling_params(settings, eos_token_id), use_tqdm=False)
 
         responses: list[list[int]] = []
