@@ -555,6 +555,8 @@ def _retie_lm_head(worker: Any) -> None:
     """
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None and embed is not None:
+        return  # no head of its own (vLLM's Gemma 2): the logits are computed with the embedding itself
     if head is None or embed is None:
         raise RuntimeError(
             f"{type(model).__name__} ties its word embeddings but has no lm_head / model.embed_tokens; "
