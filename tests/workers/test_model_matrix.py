@@ -308,3 +308,19 @@ def test_packing_refuses_linear_attention_whose_rows_would_leak(family, monkeypa
     packed = make_actor(model, remove_padding=True).compute_log_prob(data)[0]
     padded = make_actor(model, remove_padding=False).compute_log_prob(data)[0]
     assert (packed - padded * data.batch["response_mask"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", [name for name, family in FAMILIES.items() if family.moe], indirect=True)
+def test_weights_leave_the_trainer_in_the_checkpoint_layout(family, mesh):
+    """transformers 5 holds an MoE layer's experts fused; what hflow sends to vLLM, streams and exports is the
+    checkpoint's per-expert layout: the folder's names, shapes and values, from the FSDP2-wrapped model too."""
+    from safetensors.torch import load_file
+
+    name, path = family
+    on_disk = load_file(str(path / "model.safetensors"))
+    assert any(".experts.0." in key for key in on_disk)
+    model = apply_fsdp2(load_causal_lm(str(path)), mesh, fsdp_on_one_rank=True)
+    sent = dict(iter_full_params(model))
+    assert sent.keys() == on_disk.keys()
+    assert all(torch.equal(sent[key], on_disk[key]) for key in on_disk)
+    assert [(n, tuple(s)) for n, s, _ in full_param_shapes(model)] == [(n, tuple(t.shape)) for n, t in sent.items()]
