@@ -52,7 +52,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-__all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "pack_micro_batch", "per_sequence_attention",
+__all__ = ["SDPA_VARLEN", "SEQUENCE_BOUNDS", "PackedMicroBatch", "causal_window_mask", "pack_micro_batch",
+           "packing_unsupported", "per_sequence_attention", "softcapped_attention",
            "uses_varlen_kernel", "varlen_attention", "varlen_kernel",
            "exclude_attention_from_compile"]
 
@@ -102,31 +103,80 @@ def _sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     bounds = kwargs.get(SEQUENCE_BOUNDS)
     if bounds is None and kwargs.get("cu_seq_lens_q") is not None:
         bounds = kwargs["cu_seq_lens_q"].tolist()
+    # Gemma 2's layers soft-cap their scores, which SDPA cannot; sliding-window layers (Gemma 2/3, Mistral)
+    # attend to the last `sliding_window` keys only: transformers' padded masks carry the window, a packed
+    # row has no mask, so the per-sequence paths apply it themselves.
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if bounds is None:
         if attention_mask is None and _PACKED_FORWARD.get():
             raise RuntimeError(f"a packed forward reached {SDPA_VARLEN} without its sequence bounds "
                                f"({SEQUENCE_BOUNDS} or cu_seq_lens_q): it would attend across sequences")
+        if softcap is not None:
+            return softcapped_attention(query, key, value, attention_mask, scaling, softcap), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     starts = kwargs.get("cu_seq_lens_q")
     kernel = varlen_kernel()
-    if kernel is not None and dropout == 0.0 and starts is not None and uses_varlen_kernel(query):
-        longest = kwargs.get("max_length_q") or max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    longest = kwargs.get("max_length_q") or max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    windowed = window is not None and int(longest) > int(window)
+    if (kernel is not None and dropout == 0.0 and starts is not None and uses_varlen_kernel(query)
+            and not windowed and softcap is None):
         return varlen_attention(kernel, query, key, value, starts, int(longest), scaling), None
-    return per_sequence_attention(query, key, value, bounds, dropout, scaling), None
+    return per_sequence_attention(query, key, value, bounds, dropout, scaling, window, softcap), None
 
 
 def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
-                           dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
-    """Causal SDPA on each sequence's slice of the packed row, one call per sequence.
+                           dropout: float = 0.0, scaling: float | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Causal attention on each sequence's slice of the packed row, one call per sequence: SDPA, with a
+    banded mask where the sequence is longer than a sliding `window`; `softcapped_attention` with a `softcap`.
     query (1, H, N, D), key / value (1, H_kv, N, D) -> (1, N, H, D)."""
     gqa = query.shape[1] != key.shape[1]
-    outputs = [
-        F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                       dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
-        for start, end in zip(bounds[:-1], bounds[1:])
-    ]
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        windowed = window is not None and end - start > window
+        if softcap is not None:
+            mask = causal_window_mask(end - start, window, query.device)
+            outputs.append(softcapped_attention(q, k, v, mask, scaling, softcap).transpose(1, 2))
+        elif windowed:
+            mask = causal_window_mask(end - start, window, query.device)
+            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                          enable_gqa=gqa))
+        else:
+            outputs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True,
+                                                          enable_gqa=gqa))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def causal_window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(length, length) bool, True where query i may attend key j: j <= i, and i - j < window if given
+    (transformers' sliding-window convention)."""
+    i = torch.arange(length, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    return allowed
+
+
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scaling: float | None, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's score soft-capping, softcap * tanh(scores / softcap), written out (SDPA has
+    no such step). `mask`: bool (True: attend) or additive, broadcastable to (B, H, Q, K); None: causal.
+    query (B, H, Q, D), key / value (B, H_kv, K, D) -> (B, Q, H, D)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = causal_window_mask(query.shape[-2], None, query.device)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 @lru_cache(maxsize=1)
@@ -185,6 +235,22 @@ def exclude_attention_from_compile() -> None:
     AttentionInterface.register(SDPA_VARLEN, torch.compiler.disable(_sdpa_varlen_attention, recursive=True))
 
 
+# Layer types whose attention keeps to each packed sequence (their kernels read the bounds above).
+PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why a packed forward of `model` would mix its sequences, or None. Linear-attention and state-space
+    layers (Qwen3-Next's and Qwen3.5's gated delta net) carry a state along the row; transformers' torch
+    kernels for them ignore the sequence bounds, so one sequence's state would flow into the next."""
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None) or ()
+    others = sorted(set(layer_types) - PACKABLE_LAYER_TYPES)
+    if others:
+        return (f"its {', '.join(others)} layers carry state across the packed row (transformers' kernels "
+                "ignore the sequence bounds), so packed sequences would leak into each other")
+    return None
+
+
 @dataclass
 class PackedMicroBatch:
     input_ids: torch.Tensor  # (1, N) the valid tokens, row after row
@@ -205,6 +271,10 @@ class PackedMicroBatch:
     def forward(self, model: torch.nn.Module, **kwargs: Any) -> Any:
         """`model(**self.model_inputs(), **kwargs)`, with `SDPA_VARLEN` building no attention mask; `kwargs`
         may replace an input (a vision-language model's multimodal `position_ids`)."""
+        reason = packing_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"use_remove_padding=true cannot pack {type(model).__name__}: {reason}; "
+                             "set actor_rollout_ref.model.use_remove_padding=false (and critic.model's)")
         with _packed_forward():
             return model(**{**self.model_inputs(), **kwargs})
 

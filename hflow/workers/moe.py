@@ -25,7 +25,7 @@ forward hooks on those routers, so no model code is copied or patched:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["NOT_ROUTED", "RouterTrace", "RoutingRecorder", "check_moe_settings", "is_moe_config", "moe_routers",
-           "per_expert_weights", "route_and_trace"]
+           "route_and_trace"]
 
 NOT_ROUTED = -1  # a (token, layer) the sampler ran no forward for: the trainer routes it itself
 
@@ -137,24 +137,6 @@ def route_and_trace(model: nn.Module, replay: torch.Tensor | None = None) -> Ite
     finally:
         for handle in handles:
             handle.remove()
-
-
-def per_expert_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors for an engine that loads checkpoint names: transformers (>= 5) holds a layer's experts
-    as `experts.gate_up_proj` (E, 2I, H; gate rows first) and `experts.down_proj` (E, H, I), which a checkpoint
-    (and vLLM's loader) spells `experts.<e>.{gate,up,down}_proj.weight`. Other tensors pass as they are."""
-    for name, tensor in named_tensors:
-        if name.endswith("experts.gate_up_proj") and tensor.dim() == 3:
-            base, half = name[: -len("gate_up_proj")], tensor.shape[1] // 2
-            for expert in range(tensor.shape[0]):
-                yield f"{base}{expert}.gate_proj.weight", tensor[expert, :half]
-                yield f"{base}{expert}.up_proj.weight", tensor[expert, half:]
-        elif name.endswith("experts.down_proj") and tensor.dim() == 3:
-            base = name[: -len("down_proj")]
-            for expert in range(tensor.shape[0]):
-                yield f"{base}{expert}.down_proj.weight", tensor[expert]
-        else:
-            yield name, tensor
 
 
 class RoutingRecorder:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hflow.utils import device as device_utils
-from hflow.workers.fsdp.params import clean_param_name, local_tensor, named_weights
+from hflow.workers.fsdp.params import checkpoint_layout, clean_param_name, local_tensor, named_weights
 
 __all__ = ["ParamEMA"]
 
@@ -92,6 +92,6 @@ class ParamEMA:
             if name in self.averages:
                 average = self.averages[name]
                 full = average.to(compute_device).full_tensor() if isinstance(average, DTensor) else average
-                yield name, full.to(tensor.dtype)
+                yield from checkpoint_layout(self.model, name, full.to(tensor.dtype))
             else:
-                yield name, tensor.detach()
+                yield from checkpoint_layout(self.model, name, tensor.detach())

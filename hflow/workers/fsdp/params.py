@@ -1,6 +1,7 @@
 """A model's weights under their Hugging Face names: the names without wrapper and PEFT segments, the LoRA
 adapters merged into their base weights, and one full tensor at a time out of the FSDP2 shards
-(`iter_full_params`, behind the vLLM sync, the split placement's weight stream and the Hugging Face export)."""
+(`iter_full_params`, behind the vLLM sync, the split placement's weight stream and the Hugging Face export),
+in the checkpoint's layout (`checkpoint_layout`)."""
 
 from __future__ import annotations
 
@@ -95,12 +96,31 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             lora_a, lora_b, scaling, fan_in_fan_out = lora[name]
             delta = gather(lora_b).to(full.dtype) @ gather(lora_a).to(full.dtype)
             full = full + scaling * (delta.T if fan_in_fan_out else delta)
-        yield name, full.detach()
+        yield from checkpoint_layout(model, name, full.detach())
 
 
 def full_param_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(HF name, full shape, dtype) of what `iter_full_params` yields, in its order, without gathering."""
-    return [(name, tensor.shape, tensor.dtype) for name, tensor in named_weights(model)]
+    shapes = []
+    for name, tensor in named_weights(model):
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        shapes.extend((part, piece.shape, piece.dtype) for part, piece in checkpoint_layout(model, name, meta))
+    return shapes
+
+
+def checkpoint_layout(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One full weight of `model` as the model's checkpoint stores it: usually itself. transformers >= 5 loads
+    some checkpoints into other layouts -- an MoE layer's experts fused into one 3-D tensor per projection
+    (`mlp.experts.gate_up_proj`, (E, 2I, H)), where the checkpoint, vLLM's loaders and every other tool have
+    `mlp.experts.{e}.gate_proj.weight` ... per expert -- so weights leaving the trainer are put back with
+    transformers' own reverse mapping (views of `tensor`, no copy)."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
+    if not isinstance(base, PreTrainedModel):
+        return [(name, tensor)]
+    return list(revert_weight_conversion(base, {name: tensor}).items())
 
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -59,7 +59,6 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from hflow.agent.loop import TurnEngine, TurnResult  # noqa: E402
-from hflow.workers.moe import per_expert_weights  # noqa: E402
 from hflow.workers.rollout import routing_capture  # noqa: E402
 from hflow.workers.rollout.multi_turn import MultiTurnRollout  # noqa: E402
 from hflow.workers.rollout.router import RouterClient, request_seed, serve_rows  # noqa: E402
@@ -393,8 +392,8 @@ class vLLMRollout(BaseRollout):
         vLLM repacks every linear layer at load time, so writing to the model's parameters does
         nothing. The prefix cache is then reset, or cached prompt KV would keep the old weights.
         """
-        # an MoE's experts as vLLM names them (transformers keeps each layer's experts in one 3D tensor)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": per_expert_weights(named_tensors)})
+        # (an MoE's experts arrive per expert, as vLLM and checkpoints name them: `fsdp.params.checkpoint_layout`)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if self.tied_embeddings:
             self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
@@ -603,6 +602,8 @@ def _retie_lm_head(worker: Any) -> None:
     """
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None and embed is not None:
+        return  # no head of its own (vLLM's Gemma 2): the logits are computed with the embedding itself
     if head is None or embed is None:
         raise RuntimeError(
             f"{type(model).__name__} ties its word embeddings but has no lm_head / model.embed_tokens; "
