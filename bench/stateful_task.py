@@ -2,7 +2,7 @@
 the same run with the environment's state reset at every turn and with its feedback shuffled (the controls),
 held-out greedy episodes with the real environment every 2 steps (`val-core/hflow/vault/reward/mean@1`).
 
-    .venv/bin/python bench/stateful_task.py --seeds 3                       # 3 arms x 3 seeds, one run at a time
+    .venv/bin/python bench/stateful_task.py --seeds 3 --jobs 2              # 3 arms x 3 seeds, two runs at a time
     .venv/bin/python bench/stateful_task.py --seeds 1 --arms look_token look_turn_return --out ...  # turn rewards
 
 Each run is the README's command, `python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,16 +95,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (runs go one at a time)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
     parser.add_argument("--arms", nargs="+", default=["learns", "reset_every_turn", "shuffled"], choices=list(TASKS))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stateful_task")
     args = parser.parse_args()
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            for arm in args.arms:
-                runs.append(run_one(arm, seed, args.steps, Path(tmp) / f"{arm}-{seed}", args.threads))
-                print(json.dumps(runs[-1]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_one, arm, seed, args.steps, Path(tmp) / f"{arm}-{seed}", args.threads)
+                   for seed in range(args.seeds) for arm in args.arms]
+        runs = []
+        for future in futures:
+            runs.append(future.result())
+            print(json.dumps(runs[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = {"command": "python bench/stateful_task.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
               "steps": args.steps, "load_1min": os.getloadavg()[0], "runs": runs}

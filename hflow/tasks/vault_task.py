@@ -221,7 +221,7 @@ DEFAULT_VAULT_SPEC = VaultSpec()
 # A seconds-long build of the same structure, for tests of the format and the environment (barely trained).
 QUICK_VAULT_SPEC = VaultSpec(
     model=replace(DEFAULT_VAULT_SPEC.model, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128),
-    steps=6, vaults_per_step=16, warmup_steps=2,
+    num_vaults=60, num_val=20, steps=6, vaults_per_step=16, warmup_steps=2,
 )
 
 
