@@ -142,20 +142,21 @@ class VaultEnv(BaseEnv):
     """One episode's vault (module docstring). config: ``control`` (none | reset_every_turn | shuffled),
     ``look_reward`` (the step reward of a first-turn look; 0 = outcome only), ``seed`` (of the codes)."""
 
-    KEYS = ("control", "look_reward", "seed")
+    DEFAULTS = {"control": "none", "look_reward": 0.0, "seed": 0}
 
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
-        unknown = sorted(set(self.config) - set(self.KEYS))
+        unknown = sorted(set(self.config) - set(self.DEFAULTS))
         if unknown:
-            raise ValueError(f"unknown VaultEnv config key(s) {unknown}; it has {list(self.KEYS)}")
-        self.control = self.config.get("control", "none")
+            raise ValueError(f"unknown VaultEnv config key(s) {unknown}; it has {list(self.DEFAULTS)}")
+        config = {**self.DEFAULTS, **self.config}
+        self.control = config["control"]
         if self.control not in CONTROLS:
             raise ValueError(f"VaultEnv config control={self.control!r}; choose one of {list(CONTROLS)}")
-        self.look_reward = self.config.get("look_reward", 0.0)
+        self.look_reward = config["look_reward"]
         if isinstance(self.look_reward, bool) or not isinstance(self.look_reward, (int, float)):
             raise ValueError(f"VaultEnv config look_reward={self.look_reward!r}; give a number (0 = outcome only)")
-        seed = self.config.get("seed", 0)
+        seed = config["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"VaultEnv config seed={seed!r}; give an integer")
         with _DRAWS_LOCK:
