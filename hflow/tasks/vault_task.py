@@ -19,7 +19,7 @@ are the validation split.
 
 Neither leaves anything to learn from looking; both must stay where the model starts.
 
-**Model**: the agent task's 0.46M-parameter Qwen2 shape, pre-trained here (300 steps, about a minute on
+**Model**: the agent task's 0.46M-parameter Qwen2 shape, pre-trained here (300 steps, about two minutes of CPU on
 one core, deterministic) on two episodes per vault with a fresh random code each step, weighted rather
 than sampled: ``look``, the observation, the copied code (first token's weight share p_look = 0.2), and
 the habit ``1234`` at once (0.8). So it looks at temperature 1 about a fifth of the time, copies the code
@@ -476,7 +476,7 @@ def ensure_vault_assets(cache_dir: str | Path | None = None, *, spec: VaultSpec 
     (`cache_dir`, default `hflow.utils.cache.default_cache_root()`) and reused afterwards."""
     folder = ensure_cached_folder(cache_dir, _folder_name(spec), lambda f: _is_complete(f, spec),
                                   lambda tmp: build_vault_assets(tmp, spec),
-                                  "the built-in stateful vault task and model (once; about a minute on one CPU core)")
+                                  "the built-in stateful vault task and model (once; about two minutes of one CPU core)")
     return _assets(folder)
 
 

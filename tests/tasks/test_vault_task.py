@@ -199,7 +199,7 @@ def test_vault_data_without_multi_turn_stops_in_preflight(quick_assets):
 
 
 def test_default_assets_meet_the_targets():
-    """The default model (built into the cache if missing, about a minute on one core): it looks at
+    """The default model (built into the cache if missing, about two minutes of one core): it looks at
     temperature 1 a fifth of the time, never greedily, and copies what it is shown."""
     import json
     from pathlib import Path
