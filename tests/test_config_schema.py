@@ -68,6 +68,7 @@ def test_every_yaml_value_has_the_schema_type(name):
 
 
 @pytest.mark.parametrize("builtin,name", [("builtin_task", "ppo_trainer"), ("builtin_agent_task", "ppo_trainer"),
+                                          ("builtin_vault_task", "ppo_trainer"),
                                           ("builtin_sft", "sft_trainer"), ("builtin_rm", "rm_trainer"),
                                           ("builtin_dpo", "dpo_trainer")])
 def test_builtin_task_settings_name_schema_keys(builtin, name):

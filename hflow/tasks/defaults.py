@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hflow import CONFIG_DIR
+from hflow.config_schema import ConfigError
 
 __all__ = ["apply_builtin_settings", "dotted_leaves", "shipped_defaults", "fill_builtin_defaults", "fill_builtin_paths"]
 
@@ -24,11 +25,18 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
 
     With `actor_rollout_ref.rollout.multi_turn.enable`, the built-in task is the agentic one
     (`hflow.tasks.agent_task`: multiplications, a model that calls the calculator only sometimes) and its
-    settings are `config/builtin_agent_task.yaml`.
+    settings are `config/builtin_agent_task.yaml`. With `data.builtin_task=vault` (or one of its controls,
+    `vault_reset_every_turn`, `vault_shuffled`), it is the stateful vault task (`hflow.tasks.vault_task`),
+    multi-turn with the environment file of the task or the control, settings `config/builtin_vault_task.yaml`.
     """
     from hflow.tasks.builtin_task import ensure_builtin_assets
 
-    if config.actor_rollout_ref.rollout.multi_turn.enable:
+    if config.data.get("builtin_task") is not None:
+        _use_vault(config, user_keys)
+        from hflow.tasks.vault_task import ensure_vault_assets
+
+        ensure_assets, settings_yaml = ensure_vault_assets, "builtin_vault_task.yaml"
+    elif config.actor_rollout_ref.rollout.multi_turn.enable:
         from hflow.tasks.agent_task import ensure_agent_assets
 
         ensure_assets, settings_yaml = ensure_agent_assets, "builtin_agent_task.yaml"
@@ -41,6 +49,29 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
 
     fill_builtin_paths(config, "actor_rollout_ref.model.path", files, settings_yaml, shipped_defaults(), user_keys,
                        model_path=lambda: ensure_assets().model_path)
+
+
+def _use_vault(config: DictConfig, user_keys: frozenset[str]) -> None:
+    """`data.builtin_task`: checked, then multi-turn with the task's (or control's) environment file, before
+    any asset is built; a command that contradicts it stops naming the keys."""
+    from hflow.tasks.vault_task import BUILTIN_TASKS, ensure_vault_assets
+
+    task = config.data.builtin_task
+    if task not in BUILTIN_TASKS:
+        raise ConfigError(f"data.builtin_task={task!r}; choose one of {sorted(BUILTIN_TASKS)} (or null: arithmetic)")
+    given = [key for key in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path")
+             if OmegaConf.select(config, key) is not None]
+    if given:
+        raise ConfigError(f"data.builtin_task={task} brings its own data and model, but {', '.join(given)} "
+                          "is given; drop data.builtin_task to train on your data, or drop those keys")
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if "actor_rollout_ref.rollout.multi_turn.enable" in user_keys and not multi_turn.enable:
+        raise ConfigError(f"data.builtin_task={task} is a multi-turn task (an environment answers the model), but "
+                          "actor_rollout_ref.rollout.multi_turn.enable=false is given; drop it")
+    with open_dict(config):
+        multi_turn.enable = True
+        if multi_turn.env_config_path is None:
+            multi_turn.env_config_path = ensure_vault_assets().env_config(BUILTIN_TASKS[task])
 
 
 def shipped_defaults() -> DictConfig:

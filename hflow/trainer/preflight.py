@@ -435,8 +435,9 @@ def check_reward_sources(config: DictConfig) -> None:
     if config.custom_reward_function.path is not None or config.custom_reward_function.url is not None:
         return
     from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
-    from hflow.reward.score import SCORERS
+    from hflow.reward.score import EPISODE_SCORERS, SCORERS
 
+    known = {*SCORERS, *EPISODE_SCORERS}
     key = config.data.reward_fn_key
     for files_key in ("data.train_files", "data.val_files"):
         for path in data_files(OmegaConf.select(config, files_key)):
@@ -444,11 +445,18 @@ def check_reward_sources(config: DictConfig) -> None:
             if key not in read_parquet_schema(path, files_key).names:
                 raise ConfigError(f"{files_key}: {path} has no column {key!r} (data.reward_fn_key)")
             table = read_parquet(path, files_key, columns=[key])
-            unknown = sorted(set(table.column(key).to_pylist()) - set(SCORERS))
+            sources = set(table.column(key).to_pylist())
+            unknown = sorted(sources - known)
             if unknown:
                 raise ConfigError(
                     f"{files_key}: {path} has data_source {unknown[0]!r}, which has no built-in scorer "
-                    f"(known: {sorted(SCORERS)}); set custom_reward_function.path (and .name) to your scoring function")
+                    f"(known: {sorted(known)}); set custom_reward_function.path (and .name) to your scoring function")
+            by_episode = sorted(sources & set(EPISODE_SCORERS))
+            if by_episode and not config.actor_rollout_ref.rollout.multi_turn.enable:
+                raise ConfigError(
+                    f"{files_key}: {path} has data_source {by_episode[0]!r}, scored by its environment's verdict in a "
+                    "multi-turn episode; set actor_rollout_ref.rollout.multi_turn.enable=true with its environment "
+                    "(multi_turn.env_config_path), or data.builtin_task=vault for the built-in one")
 
 
 def check_rollout_is(algo: DictConfig, rollout: DictConfig) -> None:

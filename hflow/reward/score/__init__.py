@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hflow.reward.score import answer_style, arithmetic, code_exec, gsm8k, math
+from hflow.reward.score import answer_style, arithmetic, code_exec, gsm8k, math, vault
 
-__all__ = ["SCORERS", "default_compute_score"]
+__all__ = ["EPISODE_SCORERS", "SCORERS", "default_compute_score"]
 
 # data_source → scorer(solution_str, ground_truth) -> float (or a dict with a "score" key)
 SCORERS: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
@@ -31,16 +31,24 @@ SCORERS: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
     **dict.fromkeys(code_exec.DATA_SOURCES, code_exec.compute_score),
 }
 
+# data_source → scorer(solution_str, ground_truth, extra_info): tasks judged by their episode (extra_info's
+# "episode", multi-turn), not by the answer's text alone
+EPISODE_SCORERS: dict[str, Callable[[str, Any, dict | None], float]] = {
+    "hflow/vault": vault.compute_score,  # the built-in stateful task: its environment's verdict
+}
+
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float | dict[str, Any]:
     """Score one response with the built-in scorer for its ``data_source``: a float, or the scorer's dict."""
+    if data_source in EPISODE_SCORERS:
+        return float(EPISODE_SCORERS[data_source](solution_str, ground_truth, extra_info))
     scorer = SCORERS.get(data_source)
     if scorer is None:
         raise ValueError(
             f"no built-in reward function for data_source={data_source!r}; known data sources: "
-            f"{sorted(SCORERS)}. For other data, write compute_score(data_source, solution_str, ground_truth, "
+            f"{sorted([*SCORERS, *EPISODE_SCORERS])}. For other data, write compute_score(data_source, solution_str, ground_truth, "
             "extra_info=None) in a Python file and set custom_reward_function.path (and .name)"
         )
     score = scorer(solution_str, ground_truth)

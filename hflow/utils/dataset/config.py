@@ -16,6 +16,7 @@ from hflow.utils.dataset.rl_dataset import TRUNCATION_MODES
 class DataConfig:
     train_files: Any = None  # a parquet file or a list of them; None = the built-in task
     val_files: Any = None
+    builtin_task: Optional[str] = None  # with no data or model: None = arithmetic (agent with multi_turn) | vault...
     prompt_key: str = "prompt"
     image_key: str = "images"
     reward_fn_key: str = "data_source"
@@ -92,8 +93,14 @@ def check_data_files(value: Any, key: str) -> None:
             raise ConfigError(f"{key}: file {path} does not exist")
 
 
+# data.builtin_task's values (hflow.tasks.vault_task.BUILTIN_TASKS; tasks sit above this layer)
+BUILTIN_TASKS = ("vault", "vault_reset_every_turn", "vault_shuffled")
+
+
 def check_data(data: Any) -> None:
-    """PPO's `data`: the truncation mode and the files (sizes are checked with the other sizes)."""
+    """PPO's `data`: the truncation mode, the built-in task and the files (sizes are checked with the other sizes)."""
     check_choice(data.truncation, TRUNCATION_MODES, "data.truncation")
+    if data.builtin_task is not None:
+        check_choice(data.builtin_task, BUILTIN_TASKS, "data.builtin_task")
     check_data_files(data.train_files, "data.train_files")
     check_data_files(data.val_files, "data.val_files")
