@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
@@ -107,7 +108,9 @@ def test_an_openai_agent_through_the_endpoint_gives_hflows_own_trajectories(endp
     assert all(e["ended"] != "agent_error" for e in episodes), [e["info"] for e in episodes]
     for key in ("responses", "response_mask", "attention_mask", "input_ids", "position_ids"):
         assert external.batch[key].tolist() == loop.batch[key].tolist(), key
-    assert external.batch["rollout_log_probs"].tolist() == loop.batch["rollout_log_probs"].tolist()
+    # Same ids, same seeds: the log-probs are equal up to the engine batching the turns differently (requests
+    # arrive over HTTP on their own clock; CPU kernels are not batch-invariant): seen 1e-6 apart under load.
+    torch.testing.assert_close(external.batch["rollout_log_probs"], loop.batch["rollout_log_probs"], rtol=0, atol=1e-5)
     # not vacuous: several turns with tool messages (mask 0 inside a response), sampled ids that re-encode
     # to other ids, and the agent's return value credited to the last sampled token
     mask = external.batch["response_mask"]
