@@ -6,9 +6,10 @@ of the checkpoint layout (same shape, other element order). `reload_weights` loa
 fresh checkpoint-layout parameters and runs the layer's method post-processing, but
 `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' re-pack only on the first load (the
 kernel then exists, so a reload is a "weight update" that skips it), and the reload then copies the
-checkpoint-layout values into the packed parameters' storage. The kernel reads them as if packed: wrong
-experts, though every value arrived (log-probs 0.02-0.65 off on the tiny MoE models, while a fresh engine
-is exact). Dense layers are re-packed on every reload, so only the experts need this.
+checkpoint-layout values into the packed parameters' storage. The kernel reads them as if packed: scrambled
+experts, though every value arrived (a reload of a folder's own weights changes the engine's log-probs and
+greedy responses; a fresh engine is exact). Dense layers are re-packed on every reload: only the experts
+need this.
 
 `repack_experts` runs the experts' own load-time step again on what the reload left, then puts the
 result back into the parameters the kernel holds (same storage: nothing captured goes stale).
