@@ -8,8 +8,8 @@ on the built-in sloppy corpus): the real reward against the inverted control, gr
 The built-in recipe (config/builtin_task.yaml's settings, spelled out since the model is given), the HF rollout
 (or vLLM's, `--rollout vllm`), the local backend, `actor.router_replay=true`. Writes
 bench/results/moe_replay.{md,json} (`moe_replay_vllm.*` with vLLM); each run's routing_match and expert load are in
-the table too, and with vLLM the largest |sampler - trainer| log-prob per step (`training/rollout_log_probs_diff_max`,
-both fp32: the engine scores the weights it was sent).
+the table too, and with vLLM the largest |sampler - trainer| log-prob on the steps the trainer checks it
+(`training/rollout_log_probs_diff_max`, both fp32: the engine scores the weights it was sent).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from hflow.tasks.builtin_task import MOE_SPEC, ensure_builtin_assets  # noqa: E4
 RESULTS = ROOT / "bench" / "results"
 CONTROLS = ROOT / "tests" / "trainer" / "reward_controls.py"
 VAL_KEY = "val-core/hflow/arithmetic/reward/mean@1"
+DIFF_KEY = "training/rollout_log_probs_diff_max"
 RECIPE = ["data.train_batch_size=32", "data.max_prompt_length=32", "data.max_response_length=8",
           "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=2e-4",
@@ -72,8 +73,8 @@ def main() -> int:
             "aux_loss": [round(r["actor/moe/aux_loss"], 4) for r in train],
         }
         if args.rollout == "vllm":
-            result["runs"][reward]["rollout_log_probs_diff_max"] = [
-                float(f"{r['training/rollout_log_probs_diff_max']:.2e}") for r in train]
+            result["runs"][reward]["rollout_log_probs_diff_max"] = {  # on the trainer's check steps
+                r["step"]: float(f"{r[DIFF_KEY]:.2e}") for r in records if DIFF_KEY in r}
     stem = "moe_replay" if args.rollout == "hf" else f"moe_replay_{args.rollout}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# GRPO with router replay on the built-in MoE model ({args.rollout} rollout)", "",
@@ -86,7 +87,7 @@ def main() -> int:
         lines += [f"## {reward}", "", f"- validation: {curve}", f"- routing_match: {run_result['routing_match']}",
                   f"- expert_load_max: {run_result['expert_load_max']}", f"- aux_loss: {run_result['aux_loss']}"]
         if "rollout_log_probs_diff_max" in run_result:
-            lines.append(f"- max |sampler - trainer| log-prob: {run_result['rollout_log_probs_diff_max']}")
+            lines.append(f"- max |sampler - trainer| log-prob (step: value): {run_result['rollout_log_probs_diff_max']}")
         lines.append("")
     (RESULTS / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
