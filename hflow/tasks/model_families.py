@@ -76,19 +76,13 @@ _PACKED_LINEAR_ATTENTION = ("transformers 5.19's torch gated-delta-rule and caus
                             "bounds (cu_seq_lens): packed sequences would leak into each other, so hflow refuses "
                             "to pack linear-attention models (use_remove_padding=false)")
 
-# Measured (a fresh engine, the folder's weights exact to 5e-7, then `reload_weights` of moved weights under
-# their checkpoint names): only non-expert weights moved -> log-prob error 0.02, only the experts -> 0.65.
-_VLLM_CPU_MOE_RELOAD = ("vLLM 0.32's CPU MoE layers (prepacked expert weights) do not take `reload_weights` "
-                        "exactly: after a reload of moved weights the engine's log-probs are 0.02-0.65 off "
-                        "(a fresh engine on the same folder is exact)")
-
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("qwen2", "qwen2"),
     ModelFamily("qwen3", "qwen3"),
-    ModelFamily("qwen3_moe", "qwen3_moe", moe=True, unsupported={"reload": _VLLM_CPU_MOE_RELOAD},
+    ModelFamily("qwen3_moe", "qwen3_moe", moe=True,
                 config={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                         "decoder_sparse_step": 1, "norm_topk_prob": True}),
-    ModelFamily("qwen2_moe", "qwen2_moe", moe=True, unsupported={"reload": _VLLM_CPU_MOE_RELOAD},
+    ModelFamily("qwen2_moe", "qwen2_moe", moe=True,
                 config={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                         "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1}),
     ModelFamily("llama3", "llama", config={"rope_parameters": _LLAMA3_ROPE}),

@@ -1,7 +1,7 @@
 """GRPO with router replay learns the built-in task on the built-in MoE model (`MOE_SPEC`: a Qwen3-MoE of 4
 experts, 2 per token, pre-trained on the built-in sloppy corpus like the dense model). The short version: 4
 steps; the 10-step run against the inverted-reward control is bench/results/moe_replay.md (bench/moe_replay.py).
-The HF rollout: on CPU vLLM reloads fused-MoE layers inexactly (docs/architecture.md).
+The HF rollout keeps it short; the same run with the vLLM rollout is bench/results/moe_replay_vllm.md.
 """
 
 import json

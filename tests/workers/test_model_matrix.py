@@ -243,14 +243,19 @@ def test_matrix_parity(family, engine):
 
 @pytest.mark.parametrize("family", family_params("reload"), indirect=True)
 def test_matrix_reload(family, engine):
-    """Through the stream, every tensor arrives: the engine then scores exactly as after a direct reload of
-    the same weights (bitwise), and as the trainer does; against the weights before, it is far off."""
+    """A reload of the folder's own weights leaves the engine bitwise as it started (an MoE's experts are
+    re-packed: `rollout.cpu_experts`). Through the stream, every tensor arrives: the engine then scores
+    exactly as after a direct reload of the same weights (bitwise), and as the trainer does; against the
+    weights before, it is far off."""
     name, path = family
     model = load_causal_lm(str(path))
     prompts = chat_prompts(path)
     prompts.meta_info["do_sample"] = False  # greedy: the same responses for the same weights
+    fresh = engine.generate_sequences(prompts)  # the folder's weights: no earlier check updates the engine
     engine.update_weights(iter_full_params(model))
     before = engine.generate_sequences(prompts)
+    assert torch.equal(before.batch["responses"], fresh.batch["responses"])
+    assert torch.equal(before.batch["rollout_log_probs"], fresh.batch["rollout_log_probs"])
     perturb_(model, seed=2)
     engine.update_weights(iter_full_params(model))
     direct = engine.generate_sequences(prompts)

@@ -60,6 +60,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from hflow.agent.loop import TurnEngine, TurnResult  # noqa: E402
 from hflow.workers.rollout import routing_capture  # noqa: E402
+from hflow.workers.rollout.cpu_experts import repack_experts  # noqa: E402
 from hflow.workers.rollout.multi_turn import MultiTurnRollout  # noqa: E402
 from hflow.workers.rollout.router import RouterClient, request_seed, serve_rows  # noqa: E402
 
@@ -394,6 +395,8 @@ class vLLMRollout(BaseRollout):
         """
         # (an MoE's experts arrive per expert, as vLLM and checkpoints name them: `fsdp.params.checkpoint_layout`)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if not is_cuda():  # vLLM's CPU reload leaves an MoE's experts unpacked: re-pack them (`cpu_experts`)
+            self.llm.collective_rpc(repack_experts)
         if self.tied_embeddings:
             self.llm.collective_rpc(_retie_lm_head)
         self.llm.reset_prefix_cache()
