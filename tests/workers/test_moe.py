@@ -88,8 +88,7 @@ def perturb_routers(model: torch.nn.Module, scale: float = 0.3) -> None:
 def vllm_sample(world, moe_dir, tiny_tokenizer):
     """One batch sampled by the real in-process vLLM engine with routing recorded (n=2 per prompt).
 
-    The engine loads the folder itself: on vLLM's CPU build, `reload_weights` into a fused-MoE layer is
-    inexact (reloading the folder's own tensors moves log-probs by ~0.05), see docs/architecture.md."""
+    The engine loads the folder itself (reloads into an MoE engine are the model matrix's check)."""
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
 
     config = with_recording(rollout_config(n=2, temperature=1.0, load_format="auto"))
