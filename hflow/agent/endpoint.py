@@ -2,7 +2,9 @@
 
 While a step generates (`rollout.multi_turn.endpoint.enable`), each rollout rank serves
 `/v1/chat/completions` and `/v1/completions` on localhost and runs the user's agent function once per
-sample, in threads: ``run_episode(base_url, episode_id, row)``, typically with the `openai` client. Every
+sample, in threads: ``run_episode(base_url, episode_id, row)``, typically with the `openai` client (the row:
+its ``prompt``, ``extra_info``, the ``tools`` its prompt was rendered with, and ``env``, the entry of the
+environment `multi_turn.env_config_path` gives it, ``{name, config}``, for an agent that builds its own). Every
 request names its episode (header ``X-Episode-Id``, or the body's ``episode_id`` / ``user``); hflow keeps,
 per episode, the same record as its own loop (`hflow.agent.loop.Episode`): the prompt's ids, each turn's ids
 as the engine sampled them with their log-probs, and the ids it rendered for the messages the agent added.
@@ -520,7 +522,9 @@ def run_external_agents(endpoint: Endpoint, engine: TurnEngine, agent: Callable,
 
     `set_sampling(key, sampling)` gives the engine the request's temperature / top_p / seed for the next turn
     of `key`. An agent's return value is its episode's final reward (a number, or a dict with "reward";
-    other keys are kept in the episode's info), credited to the episode's last sampled token."""
+    other keys are kept in the episode's info), credited to the episode's last sampled token. The info is
+    where hflow's loop keeps an environment's step info: an environment the agent owns reports its verdict
+    there, and a scorer of `extra_info["episode"]` reads it either way (the vault task's does)."""
     return _AgentRun(endpoint, engine, agent, rows, set_sampling, config).run()
 
 

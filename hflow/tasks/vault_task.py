@@ -32,6 +32,9 @@ look first. The base model's rates are measured into ``vault_info.json`` (``base
 
     python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo data.builtin_task=vault
     python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo data.builtin_task=vault_shuffled  # a control
+    python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo data.builtin_task=vault \
+        actor_rollout_ref.rollout.multi_turn.endpoint.enable=true \
+        actor_rollout_ref.rollout.multi_turn.endpoint.agent_path=examples/agent/vault_agent.py  # an openai agent
 
 `python -m hflow.tasks.vault_task` builds (or finds) the assets and prints where they are.
 """

@@ -245,3 +245,54 @@ def test_the_example_calculator_agent_runs_through_the_endpoint(endpoint_rollout
     assert {e["ended"] for e in episodes} <= {"agent_done", "length"}, [e["info"] for e in episodes]
     tool_messages = [m["content"] for e in episodes for m in e["messages"] if m["role"] == "tool"]
     assert tool_messages and all("Error:" in m for m in tool_messages)
+
+
+def test_a_vault_episode_through_the_endpoint_is_scored_by_the_agents_verdict(endpoint_rollout, tiny_tokenizer,
+                                                                              monkeypatch, tmp_path):
+    """examples/agent/vault_agent.py owns each episode's VaultEnv, which hflow never sees: the score is the verdict
+    the agent returns, kept in the episode's info and read by the task's scorer through the reward manager. The
+    random model cannot play, so its turns reach the environment replaced: a look, then the code it showed (the
+    first question's episodes) or another code (the others). The run's environment entry reaches the agent too: with
+    the reset-every-turn control's, the code shown is never the one checked, and nothing opens."""
+    from pathlib import Path
+
+    from hflow.agent.config import load_agent
+    from hflow.agent.env import load_envs
+    from hflow.reward.managers.naive import NaiveRewardManager
+    from hflow.tasks.vault_task import DATA_SOURCE, LOOK, VaultEnv, env_yaml
+
+    reset, step = VaultEnv.reset, VaultEnv.step
+
+    def forced_reset(env, row):
+        env.right = row["extra_info"]["index"] == 0
+        return reset(env, row)
+
+    def forced_step(env, action):
+        wrong = f"{(int(env.code) + 1) % 10_000:04d}"
+        return step(env, LOOK if env.turn == 0 else env.code if env.right else wrong)
+
+    monkeypatch.setattr(VaultEnv, "reset", forced_reset)
+    monkeypatch.setattr(VaultEnv, "step", forced_step)
+    path = Path(__file__).resolve().parents[2] / "examples" / "agent" / "vault_agent.py"
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent",
+                        load_agent(OmegaConf.create({"agent_path": str(path), "agent_name": "run_episode"})))
+    extra = [{"split": "train", "index": i} for i in range(len(QUESTIONS))]
+    rows = np.array([{"data_source": DATA_SOURCE, "agent_name": None, "extra_info": e,
+                      "prompt": [{"role": "user", "content": q}]} for q, e in zip(QUESTIONS, extra)], dtype=object)
+    prompts = make_prompts(tiny_tokenizer, QUESTIONS, agent_kwargs=rows, data_source=np.array([DATA_SOURCE] * 3),
+                           reward_model=np.array([{"ground_truth": "opened"}] * 3), extra_info=np.array(extra))
+    output = endpoint_rollout.generate_sequences(prompts)
+
+    episodes = output.non_tensor_batch["episode"]
+    n = len(episodes) // len(QUESTIONS)
+    judged = [e["ended"] == "agent_done" for e in episodes]  # the others' turns were cut by the length limit
+    assert all(e["num_turns"] == 2 for e, j in zip(episodes, judged) if j)  # the look, the answer
+    assert sum(judged[:n]) >= 2 and sum(judged[n:]) >= 2, [e["ended"] for e in episodes]
+    scores = NaiveRewardManager(tiny_tokenizer, 0, timeout_s=None)(output).sum(-1).tolist()
+    assert scores == [float(key < n and judged[key]) for key in range(len(episodes))]
+
+    (tmp_path / "envs.yaml").write_text(env_yaml("reset_every_turn"))
+    monkeypatch.setattr(endpoint_rollout.multi_turn.loop, "envs", load_envs(str(tmp_path / "envs.yaml")))
+    output = endpoint_rollout.generate_sequences(prompts)
+    assert sum(e["ended"] == "agent_done" for e in output.non_tensor_batch["episode"][:n]) >= 2
+    assert NaiveRewardManager(tiny_tokenizer, 0, timeout_s=None)(output).sum() == 0

@@ -2,7 +2,9 @@
 
 The code lives only in the episode's environment (no row holds it), so the score is what the environment
 said when it ended the episode: 1.0 when its step's info has ``opened: true``, else 0.0 (a wrong answer,
-or an episode that ended before the environment judged an answer). A response without an episode has no
+or an episode that ended before the environment judged an answer). An external agent that owns the episode's
+environment (through the endpoint, `examples/agent/vault_agent.py`) returns that info, which the endpoint
+keeps in the episode's info in the same place, so both are read alike. A response without an episode has no
 verdict and scores 0.0 (a run of this data source without multi-turn stops in preflight first; the reward
 probe before a run calls it so).
 """

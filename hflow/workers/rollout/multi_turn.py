@@ -20,7 +20,8 @@ and `meta_info["metrics"]` carries the `agent/*` metrics.
 
 With `multi_turn.endpoint.enable` the episodes come from the user's agent function instead of hflow's loop
 (`generate_external`, `hflow.agent.endpoint`): the same engine samples the turns, the same output is
-assembled from the ids the endpoint recorded.
+assembled from the ids the endpoint recorded. The agent owns its environment: it gets the row's entry of
+`multi_turn.env_config_path` (``row["env"]``) to build it, and reports its verdict in its return value.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class MultiTurnRollout:
             episode = Episode(prompt_ids=list(prompt), tools_kwargs=tools_kwargs[key] if tools_kwargs else {}, row=row)
             endpoint.open(episode, key)
             agent_rows.append({**row, "index": key, "prompt_ids": list(prompt), "tools": self.tool_schemas,
-                               "tools_kwargs": episode.tools_kwargs})
+                               "tools_kwargs": episode.tools_kwargs, "env": self._env_entry(row, key)})
         started = time.perf_counter()
         episodes = run_external_agents(endpoint, engine, self.agent, agent_rows, set_sampling, self.endpoint)
         output = assemble_episodes(prompts, episodes, n, prompts.meta_info["pad_token_id"], calculate_log_probs,
@@ -107,6 +108,14 @@ class MultiTurnRollout:
             metrics[f"agent/endpoint_refused/{code}"] = count / max(len(episodes), 1)
         output.meta_info["metrics"] = metrics
         return output
+
+    def _env_entry(self, row: Mapping[str, Any], key: int) -> dict | None:
+        """The row's environment in `multi_turn.env_config_path` ({name, config}), or None: an external agent
+        owns its environment, and builds the one the run configured (a control's, say) from this entry."""
+        if self.loop.envs is None:
+            return None
+        spec = self.loop.envs.for_row(row, f"sample {key} of this batch (data_source {row.get('data_source')!r})")
+        return {"name": spec.name, "config": dict(spec.config)} if spec is not None else None
 
     def generate(
         self,
