@@ -73,6 +73,7 @@ from hflow.tasks.assets import (
     prompt_ids,
     quiet_transformers,
     run_cache_command,
+    spec_digest,
     task_row,
     write_parquet,
 )
@@ -153,7 +154,7 @@ class AgentSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(asdict(self))
 
     @classmethod
     def from_dict(cls, fields: dict) -> AgentSpec:

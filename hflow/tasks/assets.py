@@ -56,6 +56,7 @@ __all__ = [
     "remove_folder",
     "run_cache_command",
     "sha256_file",
+    "spec_digest",
     "task_row",
     "write_parquet",
 ]
@@ -201,6 +202,11 @@ def pretrained_model(build: Callable[[], None], module: str, model_dir: Path, sp
 
 
 # --------------------------------------------------------------------------------------- folder
+
+
+def spec_digest(fields: dict) -> str:
+    """A build spec's short digest (its cache folder's suffix): same fields, same folder."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def sha256_file(path: Path) -> str:

@@ -59,6 +59,7 @@ from hflow.tasks.assets import (
     prompt_ids,
     quiet_transformers,
     run_cache_command,
+    spec_digest,
     task_row,
     write_parquet,
 )
@@ -120,7 +121,7 @@ class BuiltinSpec:
     aux_loss_coef: float = 0.01
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(self.as_dict())
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, less a zero `p_hedge` (added later: the specs without hedges keep their digests)."""

@@ -66,6 +66,7 @@ from hflow.tasks.assets import (
     prompt_ids,
     quiet_transformers,
     run_cache_command,
+    spec_digest,
     write_parquet,
 )
 from hflow.tasks.builtin_task import BuiltinAssets, builtin_layout
@@ -214,7 +215,7 @@ class VaultSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return spec_digest(asdict(self))
 
     @classmethod
     def from_dict(cls, fields: dict) -> VaultSpec:
