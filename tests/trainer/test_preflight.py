@@ -190,6 +190,10 @@ RANGES = [
     (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.agent_path=/no_agent.py",
       "actor_rollout_ref.rollout.multi_turn.endpoint.max_concurrent_episodes=0"], ["actor_rollout_ref.rollout.multi_turn.endpoint.max_concurrent_episodes=0"]),
     (["actor_rollout_ref.rollout.multi_turn.endpoint.enable=true"], ["actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "multi_turn.enable=true"]),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.enable=true", "actor_rollout_ref.rollout.multi_turn.endpoint.agent_path=/no_agent.py",
+      "actor_rollout_ref.rollout.multi_turn.endpoint.episode_timeout_s=0"], ["actor_rollout_ref.rollout.multi_turn.endpoint.episode_timeout_s=0"]),
+    # issue 37: the MoE load-balancing loss
+    (["actor_rollout_ref.actor.router_aux_loss_coef=-0.1"], ["actor_rollout_ref.actor.router_aux_loss_coef", "-0.1"]),
     # reward: timeouts, retries, batch sizes (the remote scorer's whether or not .url is set)
     (["custom_reward_function.timeout_s=0"], ["custom_reward_function.timeout_s=0", "null for no limit"]),
     (["custom_reward_function.request_timeout_s=-1"], ["custom_reward_function.request_timeout_s"]),
