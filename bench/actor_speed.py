@@ -72,17 +72,18 @@ ARMS = [
     Arm("H0", "hflow actor as gpu_check part c builds it", H_BASE),
     Arm("H1", "H0 + use_remove_padding (packed rows, varlen attention)", {**H_BASE, **PACKED}),
     Arm("H2", "H0 + reshard_after_forward=false", {**H_BASE, **NO_RESHARD}),
-    Arm("H3", "H0 + use_torch_compile", {**H_BASE, **COMPILE}, needs=("cuda",)),
-    Arm("H4", "H0 + use_liger", {**H_BASE, **LIGER}, needs=("cuda", "liger_kernel")),
     Arm("H5", "H1 + H2: packed, no reshard", {**H_BASE, **PACKED, **NO_RESHARD}),
     Arm("H6", "H5 + the whole batch in one token-budget micro-batch", {**H_BASE, **NO_RESHARD, **ONE_MICRO}),
     Arm("H6c", "H6 + gradient checkpointing", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **CHECKPOINTING}),
-    Arm("H7", "H5 + use_torch_compile + use_liger", {**H_BASE, **PACKED, **NO_RESHARD, **COMPILE, **LIGER},
-        needs=("cuda", "liger_kernel")),
     Arm("H0k", "H0 with the old kernels: foreach AdamW, 4M-logit log-prob blocks", {**H_BASE, **OLD_KERNELS}),
     Arm("H8", "H5 + fused_lm_head (blocked head + log-prob + entropy, recomputed in backward)",
         {**H_BASE, **PACKED, **NO_RESHARD, **FUSED_HEAD}),
     Arm("H9", "H6 + fused_lm_head", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **FUSED_HEAD}),
+    # compiled and Triton arms last: their first call compiles, and a run cut short keeps the rest
+    Arm("H4", "H0 + use_liger", {**H_BASE, **LIGER}, needs=("cuda", "liger_kernel")),
+    Arm("H3", "H0 + use_torch_compile", {**H_BASE, **COMPILE}, needs=("cuda",)),
+    Arm("H7", "H5 + use_torch_compile + use_liger", {**H_BASE, **PACKED, **NO_RESHARD, **COMPILE, **LIGER},
+        needs=("cuda", "liger_kernel")),
     Arm("P0b", "P0 again (clock or thermal drift)", plain="autocast"),
 ]
 CPU_ARMS = "P0,P1,H0,H0k,H1,H6,H8"  # compiling on a small CPU takes minutes; Liger needs CUDA
@@ -395,7 +396,10 @@ def missing_needs(arm: Arm) -> str | None:
     return None
 
 
-def run(arm_keys: list[str], shape: Shape, repeats: int, profile_it: bool, log=print) -> dict[str, Any]:
+def run(arm_keys: list[str], shape: Shape, repeats: int, profile_it: bool, log=print,
+        budget_s: float | None = None, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure each arm in turn. `on_row` sees the result so far after every arm (a run cut short by the
+    device's time limit keeps what it measured); arms not started within `budget_s` are SKIPPED."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -417,14 +421,27 @@ def run(arm_keys: list[str], shape: Shape, repeats: int, profile_it: bool, log=p
     peak = device_peak_flops()
     arms = {a.key: a for a in ARMS}
     rows, reference = [], None
+    begun = time.perf_counter()
+
+    def result() -> dict[str, Any]:
+        return {"environment": environment(), "shape": {"name": shape.name, **shape.model, "prompt": shape.prompt,
+                "response": shape.response, "sequences": shape.n, "micro_batches": shape.micro_batches,
+                "sequences_per_micro_batch": shape.seqs_per_micro},
+                "flops": {"train_hflow": train_hflow, "train_verl": train_verl, "forward_hflow": fwd, "peak": peak},
+                "repeats": repeats, "rows": rows}
+
     for key in arm_keys:
         arm = arms[key]
         row: dict[str, Any] = {"arm": key, "what": arm.what, "overrides": arm.overrides or None}
         reason = missing_needs(arm)
+        if not reason and budget_s is not None and time.perf_counter() - begun > budget_s:
+            reason = f"not started: the run's --budget-s {budget_s:.0f} s was spent"
         if reason:
             row.update(status="SKIPPED", note=reason)
             rows.append(row)
             log(f"actor_speed: {key}: skipped ({reason})")
+            if on_row:
+                on_row(result())
             continue
         log(f"actor_speed: {key}: {arm.what} ...")
         started = time.perf_counter()
@@ -456,11 +473,9 @@ def run(arm_keys: list[str], shape: Shape, repeats: int, profile_it: bool, log=p
         rows.append(row)
         reset_peak()
         log(f"actor_speed: {key}: {row['status']} in {row['seconds']:.1f} s")
-    return {"environment": environment(), "shape": {"name": shape.name, **shape.model, "prompt": shape.prompt,
-            "response": shape.response, "sequences": shape.n, "micro_batches": shape.micro_batches,
-            "sequences_per_micro_batch": shape.seqs_per_micro},
-            "flops": {"train_hflow": train_hflow, "train_verl": train_verl, "forward_hflow": fwd, "peak": peak},
-            "repeats": repeats, "rows": rows}
+        if on_row:
+            on_row(result())
+    return result()
 
 
 def environment() -> dict[str, Any]:
@@ -516,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: qwen2.5-1.5b on CUDA, tiny on CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no arm after this many seconds (a device call has a time limit); "
+                        "the files are rewritten after every arm either way")
     parser.add_argument("--out", default=None, help="folder for actor_speed.md / .json "
                         "(default bench/results/actor_speed_<device>)")
     args = parser.parse_args(argv)
@@ -534,14 +552,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown arms {unknown}; known: {[a.key for a in ARMS]}")
     shape = SHAPES[args.shape or ("qwen2.5-1.5b" if args.device == "cuda" else "tiny")]
-    result = run(keys, shape, args.repeats, not args.no_profile,
-                 log=lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(args.out or REPO / "bench" / "results" / f"actor_speed_{args.device}")
     out.mkdir(parents=True, exist_ok=True)
-    command = "python bench/actor_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "actor_speed.json").write_text(json.dumps({"command": command.strip(), **result}, indent=1) + "\n")
-    (out / "actor_speed.md").write_text(markdown(result, command.strip()))
-    print(markdown(result, command.strip()))
+    command = ("python bench/actor_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+
+    def write(result: dict[str, Any]) -> None:
+        (out / "actor_speed.json").write_text(json.dumps({"command": command, **result}, indent=1) + "\n")
+        (out / "actor_speed.md").write_text(markdown(result, command))
+
+    result = run(keys, shape, args.repeats, not args.no_profile,
+                 log=lambda m: print(m, file=sys.stderr, flush=True), budget_s=args.budget_s, on_row=write)
+    write(result)
+    print(markdown(result, command))
     errors = [r["arm"] for r in result["rows"] if r["status"] == "ERROR"]
     return 1 if errors else 0
 

@@ -6,16 +6,22 @@
 #      .gpu_wheels/ (filled beforehand, where there is internet, by scripts/gpu_wheels.sh), offline,
 #      into the environment of that Python, whose own torch it uses;
 #   3. runs the tests marked `gpu` (pytest -m gpu);
-#   4. runs bench/gpu_check.py parts a, b, d, which write bench/results/gpu_check.md (device, versions,
-#      learning on the built-in task, log-prob parity, log-prob/entropy memory) and fail if a part fails,
-#      then bench/actor_speed.py (hflow's actor against a plain-torch loop, arm by arm: ~4 min on an H100),
-#      which writes bench/results/actor_speed_<gpu>/actor_speed.md and .json.
+#   4. runs bench/actor_speed.py (hflow's actor against a plain-torch loop, arm by arm: ~4 min on an H100),
+#      which writes <results>/actor_speed_<gpu>/actor_speed.md and .json after every arm, then
+#      bench/gpu_check.py parts a, b, d, which write <results>/gpu_check.md (device, versions, learning on the
+#      built-in task, log-prob parity, log-prob/entropy memory) and fail if a part fails. The speed table
+#      comes first: it is what a lent GPU is for, and a run cut short by the device's limit keeps it.
 # Usage: scripts/gpu_check.sh [bench/gpu_check.py options, e.g. --parts a,c]
 #        PYTHON=/path/to/python3 (default python3: the interpreter with the machine's CUDA torch)
+#        RESULTS=folder (default bench/results; e.g. the device tool's $OUT, so the files come back)
+#        ACTOR_SPEED_BUDGET_S=N (start no speed arm after N seconds; default: no limit)
+# A liger-kernel wheel in .gpu_wheels/ (scripts/gpu_wheels.sh fetches one) is installed when the machine
+# lacks the package, so the use_liger arms run.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
 wheels=.gpu_wheels
+results=${RESULTS:-bench/results}
 
 fail() { echo "gpu_check: $*" >&2; exit 1; }
 
@@ -40,6 +46,10 @@ for pair in "${needed[@]}"; do
   "$python" -c "import ${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
 done
 pip() { "$python" -m pip --disable-pip-version-check -q "$@"; }
+# Optional: Liger-Kernel (Triton; needs the machine's triton), only if its wheel was carried.
+if ! "$python" -c "import liger_kernel" >/dev/null 2>&1 && ls "$wheels"/liger_kernel-*.whl >/dev/null 2>&1; then
+  missing+=(liger-kernel)
+fi
 if [[ ${#missing[@]} -gt 0 ]]; then
   echo "gpu_check: installing from $wheels/: ${missing[*]}" >&2
   [[ -d $wheels ]] || fail "$wheels/ is missing: run scripts/gpu_wheels.sh on a machine with internet and bring the folder along"
@@ -56,7 +66,7 @@ if ! "$python" -c 'import hflow, sys; sys.exit(0 if hflow.__file__.startswith(sy
 fi
 
 # 3. The tests marked `gpu`.
-mkdir -p bench/results
+mkdir -p "$results"
 tests_log=$(mktemp)
 "$python" -m pytest -m gpu -p no:cacheprovider -q -rfE tests 2>&1 | tee "$tests_log"
 tests_rc=${PIPESTATUS[0]}
@@ -64,14 +74,17 @@ tests_summary=$(grep -E "(passed|failed|error|skipped|deselected|no tests ran)" 
 [[ $tests_rc == 5 ]] && tests_summary="no tests marked gpu were collected"
 rm -f "$tests_log"
 
-# 4. The measurements: parts a, b, d of bench/gpu_check.py (part c's speed table is replaced by
-#    bench/actor_speed.py: the actor against a plain loop, arm by arm), then the speed benchmark itself,
-#    written to bench/results/actor_speed_<GPU>/. Exit status: non-zero if either failed.
+# 4. The speed benchmark (the actor against a plain loop, arm by arm), written to <results>/actor_speed_<GPU>/,
+#    then parts a, b, d of bench/gpu_check.py (part c's speed table is replaced by the benchmark).
+#    Exit status: non-zero if either failed.
+gpu=$("$python" -c 'import torch; print((torch.cuda.get_device_name(0).replace("NVIDIA", "").split() or ["gpu"])[0].lower())' 2>/dev/null || echo gpu)
+budget=()
+[[ -n ${ACTOR_SPEED_BUDGET_S:-} ]] && budget=(--budget-s "$ACTOR_SPEED_BUDGET_S")
+"$python" bench/actor_speed.py --out "$results/actor_speed_${gpu}" "${budget[@]}"
+speed_rc=$?
 parts=(--parts a,b,d)
 [[ " $* " == *" --parts "* ]] && parts=()
-"$python" bench/gpu_check.py "${parts[@]}" --tests-rc "$tests_rc" --tests-summary "${tests_summary:-exit status $tests_rc}" "$@"
+"$python" bench/gpu_check.py "${parts[@]}" --out "$results/gpu_check.md" --tests-rc "$tests_rc" \
+  --tests-summary "${tests_summary:-exit status $tests_rc}" "$@"
 check_rc=$?
-gpu=$("$python" -c 'import torch; print((torch.cuda.get_device_name(0).replace("NVIDIA", "").split() or ["gpu"])[0].lower())' 2>/dev/null || echo gpu)
-"$python" bench/actor_speed.py --out "bench/results/actor_speed_${gpu}"
-speed_rc=$?
 (( check_rc == 0 && speed_rc == 0 ))

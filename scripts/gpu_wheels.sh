@@ -40,6 +40,7 @@ packages=(
   "tokenizers==0.23.3"
   "tqdm==4.70.1"
   "psutil==7.2.2"
+  "liger-kernel==0.8.5"  # optional: gpu_check.sh installs it so the use_liger arms of bench/actor_speed.py run
 )
 read -r -a extra <<< "${GPU_WHEELS_EXTRA:-}"
 
