@@ -79,11 +79,14 @@ ARMS = [
     Arm("H8", "H5 + fused_lm_head (blocked head + log-prob + entropy, recomputed in backward)",
         {**H_BASE, **PACKED, **NO_RESHARD, **FUSED_HEAD}),
     Arm("H9", "H6 + fused_lm_head", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **FUSED_HEAD}),
-    # compiled and Triton arms last: their first call compiles, and a run cut short keeps the rest
+    # compiled and Triton arms last: their first call compiles, and a run cut short keeps the rest.
+    # (use_liger with use_torch_compile is refused in preflight: Dynamo cannot trace Liger's kernels.)
     Arm("H4", "H0 + use_liger", {**H_BASE, **LIGER}, needs=("cuda", "liger_kernel")),
     Arm("H3", "H0 + use_torch_compile", {**H_BASE, **COMPILE}, needs=("cuda",)),
-    Arm("H7", "H5 + use_torch_compile + use_liger", {**H_BASE, **PACKED, **NO_RESHARD, **COMPILE, **LIGER},
+    Arm("H10", "H6 + use_liger", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **LIGER}, needs=("cuda", "liger_kernel")),
+    Arm("H11", "H6c + use_liger", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **CHECKPOINTING, **LIGER},
         needs=("cuda", "liger_kernel")),
+    Arm("H12", "H6 + use_torch_compile", {**H_BASE, **NO_RESHARD, **ONE_MICRO, **COMPILE}, needs=("cuda",)),
     Arm("P0b", "P0 again (clock or thermal drift)", plain="autocast"),
 ]
 CPU_ARMS = "P0,P1,H0,H0k,H1,H6,H8"  # compiling on a small CPU takes minutes; Liger needs CUDA
@@ -546,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-    keys = [k.strip() for k in (args.arms or ([a.key for a in ARMS] if args.device == "cuda" else CPU_ARMS)
+    keys = [k.strip() for k in (args.arms or (",".join(a.key for a in ARMS) if args.device == "cuda" else CPU_ARMS)
                                 ).split(",") if k.strip()]
     unknown = [k for k in keys if k not in {a.key for a in ARMS}]
     if unknown:

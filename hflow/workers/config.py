@@ -359,9 +359,17 @@ LIGER_PACKAGE = "liger-kernel"  # the distribution of `model.use_liger` (`pip in
 
 
 def check_kernel_options(model_cfg: Any, prefix: str, cuda: bool | None = None) -> None:
-    """Preflight: `<prefix>.use_liger` needs the liger-kernel package and a CUDA device (its kernels are Triton)."""
+    """Preflight: `<prefix>.use_liger` needs the liger-kernel package and a CUDA device (its kernels are Triton),
+    and not `use_torch_compile` as well."""
     if not model_cfg.get("use_liger"):
         return
+    if model_cfg.get("use_torch_compile"):
+        # Measured on an H100 (torch 2.11, liger-kernel 0.8.5): TorchDynamo fails on Liger's Triton autograd
+        # functions inside a compiled layer (bench/results/actor_speed_h100, arm H7).
+        raise ConfigError(f"{prefix}.use_liger=true and {prefix}.use_torch_compile=true cannot be combined: "
+                          "torch.compile cannot trace Liger's kernels inside the compiled decoder layers. Choose "
+                          f"one: {prefix}.use_torch_compile=true alone fuses the same kernels (and was the faster "
+                          "on an H100, bench/results/actor_speed_h100), or set it false to keep Liger")
     import importlib.util
 
     if cuda is None:

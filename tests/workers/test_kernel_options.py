@@ -102,6 +102,89 @@ def test_use_liger_stops_in_preflight_naming_the_key_and_package():
     check_kernel_options(OmegaConf.create({"use_liger": False}), "actor_rollout_ref.model", cuda=False)
 
 
+def tiny_qwen2(seed: int = 0, device: str = "cpu"):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def test_use_liger_with_use_torch_compile_stops_in_preflight():
+    from omegaconf import OmegaConf
+
+    from hflow.workers.config import check_kernel_options
+
+    both = OmegaConf.create({"use_liger": True, "use_torch_compile": True})
+    with pytest.raises(ConfigError, match=r"critic\.model\.use_liger=true and critic\.model\.use_torch_compile=true"):
+        check_kernel_options(both, "critic.model", cuda=True)
+
+
+def test_liger_patches_stay_in_the_instance(monkeypatch):
+    """Liger's apply functions also rebind names in the family's modeling module (its RMSNorm and MLP
+    classes, the rotary function), which every later model of the family would pick up: a plain-loop arm
+    of bench/actor_speed.py ran Liger's kernels after a Liger arm on the H100. A stand-in for the package
+    (it needs CUDA) patches the way liger-kernel 0.8.5 does; hflow must leave the module as it found it and
+    ask for no rotary patch, while the instance keeps its patched MLPs."""
+    import sys
+    import types
+
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from hflow.workers.fsdp.kernels import apply_kernel_options
+
+    calls = []
+
+    def liger_like_apply(model, **options):
+        calls.append(options)
+        modeling_qwen2.Qwen2MLP = type("LigerSwiGLUMLP", (torch.nn.Module,), {})
+        modeling_qwen2.Qwen2RMSNorm = type("LigerRMSNorm", (torch.nn.Module,), {})
+        modeling_qwen2.apply_rotary_pos_emb = lambda *args, **kwargs: 1 / 0
+        modeling_qwen2.liger_added_name = True
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(lambda self, x: torch.zeros_like(x), layer.mlp)
+
+    package = types.ModuleType("liger_kernel")
+    package.transformers = types.ModuleType("liger_kernel.transformers")
+    package.transformers.apply_liger_kernel_to_instance = liger_like_apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", package.transformers)
+    before = dict(vars(modeling_qwen2))
+
+    patched, other = tiny_qwen2(), tiny_qwen2()
+    apply_kernel_options(patched, use_liger=True)
+
+    assert calls and calls[0]["rope"] is False and calls[0]["fused_linear_cross_entropy"] is False
+    after = vars(modeling_qwen2)
+    assert after.keys() == before.keys(), f"names left behind: {sorted(after.keys() - before.keys())}"
+    assert [k for k in before if after[k] is not before[k]] == []
+    x = torch.randn(1, 3, 32)
+    assert torch.equal(patched.model.layers[0].mlp(x), torch.zeros_like(x))  # the instance keeps its patch
+    later = tiny_qwen2()
+    assert type(later.model.layers[0].mlp).__name__ == "Qwen2MLP" and not torch.equal(later.model.layers[0].mlp(x), 0 * x)
+    ids = torch.randint(0, 64, (2, 7))
+    assert torch.isfinite(other(ids).logits).all()  # the rotary function was put back: it would divide by zero
+
+
+@pytest.mark.gpu
+def test_real_liger_on_cuda_stays_in_the_instance_and_matches_eager():
+    pytest.importorskip("liger_kernel", reason="carry liger-kernel in .gpu_wheels/ (scripts/gpu_wheels.sh)")
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from hflow.workers.fsdp.kernels import apply_kernel_options
+
+    before = dict(vars(modeling_qwen2))
+    eager, patched = tiny_qwen2(device="cuda"), tiny_qwen2(device="cuda")
+    apply_kernel_options(patched, use_liger=True)
+    assert [k for k in set(before) | set(vars(modeling_qwen2)) if vars(modeling_qwen2).get(k) is not before.get(k)] == []
+    mlp = patched.model.layers[0].mlp
+    assert mlp.forward.__func__ is not type(mlp).forward  # Liger's SwiGLU, bound to this instance
+    ids = torch.randint(0, 64, (2, 9), device="cuda")
+    torch.testing.assert_close(patched(ids).logits, eager(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 # ---- "by the device" keys ---------------------------------------------------------------------------------
 
 
