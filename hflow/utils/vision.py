@@ -64,12 +64,12 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def freeze_vision_tower(model: torch.nn.Module) -> None:
-    """`actor.freeze_vision_tower`: the vision encoder keeps its weights (no gradient, no optimizer state);
-    the language model trains on."""
+def freeze_vision_tower(model: torch.nn.Module, key: str = "actor_rollout_ref.actor.freeze_vision_tower") -> None:
+    """`key` (the actor's or the critic's `freeze_vision_tower`): the vision encoder keeps its weights (no
+    gradient, no optimizer state); the language model (and a critic's value head) trains on."""
     tower = vision_tower(model)
     if tower is None:
-        raise ConfigError(f"actor_rollout_ref.actor.freeze_vision_tower=true, but the model ({type(model).__name__}) "
+        raise ConfigError(f"{key}=true, but the model ({type(model).__name__}) "
                           "has no vision tower; set it to false for a text-only model")
     tower.requires_grad_(False)
 

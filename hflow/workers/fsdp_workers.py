@@ -534,6 +534,8 @@ class CriticWorker(Worker, FSDPModelHolder):
             rank0_only=True,
             value_head_init=model_cfg.value_head_init,  # unused when the path is a reward model's folder
         )
+        if self.config.freeze_vision_tower:  # before the optimizer: no state for it
+            freeze_vision_tower(module, "critic.freeze_vision_tower")
         self.critic_module, self.critic_optimizer, self.critic_lr_scheduler = self._build_trainable(
             module, fsdp_cfg, self.config.optim,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing, train=True,

@@ -98,9 +98,15 @@ def _build(spec: PassSpec) -> nn.Module:
     config = AutoConfig.for_model(**raw)
     if spec.model == "value":
         config.num_labels, config.classifier_dropout = 1, 0.0
-    # a vision-language policy as the workers load it; its pass is traced on text (images not planned yet)
-    policy = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    # a vision-language policy (and critic) as the workers load it; its pass is traced on text (the vision
+    # tower's parameters are counted, its activations not)
+    vision = hasattr(config, "vision_config")
+    policy = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     auto = AutoModelForTokenClassification if spec.model == "value" else policy
+    if vision and spec.model == "value":
+        from hflow.workers.fsdp import register_vision_value_model
+
+        register_vision_value_model(config)
     kwargs = dict(dtype=_dtype(spec.model_dtype), attn_implementation=spec.attn_implementation)
     model = auto.from_config(config, **kwargs)
     if spec.lora is not None:

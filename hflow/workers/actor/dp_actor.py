@@ -55,7 +55,7 @@ from hflow.protocol import DataProto
 from hflow.algorithms.core_algos import GlobalBatchInfo, agg_loss, get_policy_loss_fn, kl_penalty
 from hflow.algorithms.distill import topk_generalized_jsd
 from hflow.utils.dataset.ptx_dataset import PtxSampler, ptx_loss_mask
-from hflow.utils.packing import pack_micro_batch
+from hflow.utils.packing import PackedMicroBatch, pack_micro_batch
 from hflow.workers.seqlen_balancing import ppo_micro_batches, ppo_mini_batches, split_micro_batches
 from hflow.utils.lm_head import fused_lm_head
 from hflow.utils.torch_functional import (block_elements_for, entropy_from_logits, logprobs_at, logprobs_from_logits,
@@ -66,7 +66,8 @@ from hflow.workers.fsdp import clip_grad_norm_and_step, no_grad_pass, update_pas
 from hflow.workers.fsdp.ema import ParamEMA
 from hflow.workers.moe import RouterTrace, moe_routers, route_and_trace
 
-__all__ = ["DataParallelPPOActor", "StepMetrics", "require_temperature", "response_mask_of"]
+__all__ = ["DataParallelPPOActor", "StepMetrics", "forward_batch", "micro_batch_vision", "require_temperature",
+           "response_mask_of"]
 
 _FORWARD_KEYS = ("responses", "input_ids", "attention_mask", "position_ids")
 _ROW_INDEX = "row_index"  # a micro-batch's rows in the batch, to find their vision inputs
@@ -81,6 +82,24 @@ def forward_batch(data: DataProto, keys: list[str] | tuple[str, ...]) -> tuple[T
         return batch, None
     batch[_ROW_INDEX] = torch.arange(len(data), device=batch.device)
     return batch, mm_inputs
+
+
+def micro_batch_vision(module: nn.Module, micro_batch: TensorDict, mm_inputs: Any,
+                       packed: PackedMicroBatch | None) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs for the images of a micro-batch's rows (`forward_batch`'s `mm_inputs`):
+    `pixel_values`, `image_grid_thw`, and `position_ids`, every row's multimodal rotary positions computed
+    from its own valid tokens: (3, B, T) for the padded forward, their values at the valid tokens under the
+    text positions, (4, 1, N), for the `packed` one. {} when none of the rows has an image."""
+    if mm_inputs is None:
+        return {}
+    input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
+    vision = batch_vision_inputs(mm_inputs[micro_batch[_ROW_INDEX].tolist()], input_ids.device)
+    if not vision:
+        return {}
+    positions = rope_positions(module, input_ids, attention_mask, vision["image_grid_thw"])
+    if packed is not None:
+        positions = packed_rope_positions(positions, attention_mask, packed.position_ids)
+    return {**vision, "position_ids": positions}
 
 
 def require_temperature(meta_info: Mapping[str, Any]) -> float:
@@ -206,35 +225,21 @@ class DataParallelPPOActor(BasePPOActor):
         responses = micro_batch["responses"]
         response_length, seq_len = responses.shape[-1], micro_batch["input_ids"].shape[-1]
         block = block_elements_for(getattr(self.config, "logit_block_elements", None))
-        vision, positions = {}, None
-        if mm_inputs is not None:  # this micro-batch's rows' images, and every row's own mrope positions
-            vision = batch_vision_inputs(mm_inputs[micro_batch[_ROW_INDEX].tolist()], responses.device)
-            if vision:
-                positions = rope_positions(self.actor_module, micro_batch["input_ids"], micro_batch["attention_mask"],
-                                           vision["image_grid_thw"])
-        vision, positions = {}, None
-        if mm_inputs is not None:  # this micro-batch's rows' images, and every row's own mrope positions
-            vision = batch_vision_inputs(mm_inputs[micro_batch[_ROW_INDEX].tolist()], responses.device)
-            if vision:
-                positions = rope_positions(self.actor_module, micro_batch["input_ids"], micro_batch["attention_mask"],
-                                           vision["image_grid_thw"])
+        packed = None
         if getattr(self.config, "use_remove_padding", False):  # one row of the valid tokens (`hflow.utils.packing`)
             packed = pack_micro_batch(micro_batch["input_ids"], micro_batch["attention_mask"], response_length)
+        vision = micro_batch_vision(self.actor_module, micro_batch, mm_inputs, packed)
+        if packed is not None:
             scoring_positions, labels = packed.scoring_positions, packed.input_ids[:, packed.scoring_positions + 1]
             if support is not None:  # (B, L, K) -> (1, slots, K), in the packed slots' order
                 support = support.reshape(-1, support.shape[-1])[packed.response_slots].unsqueeze(0)
-            if positions is not None:
-                vision["position_ids"] = packed_rope_positions(positions, micro_batch["attention_mask"],
-                                                               packed.position_ids)
 
             def forward() -> torch.Tensor:
                 return packed.forward(self.actor_module, use_cache=False, logits_to_keep=scoring_positions,
                                       **vision).logits
         else:
-            packed = None
             inputs = {key: micro_batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
-            if positions is not None:
-                inputs.update(vision, position_ids=positions)
+            inputs.update(vision)  # its position_ids (mrope) replace the text positions
             scoring_positions = torch.arange(seq_len - response_length - 1, seq_len - 1, device=responses.device)
             labels = responses
 
@@ -296,7 +301,6 @@ class DataParallelPPOActor(BasePPOActor):
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)
-        batch, mm_inputs = forward_batch(data, _FORWARD_KEYS)
         batch, mm_inputs = forward_batch(data, self._forward_keys(data))
         micro_batches, reverse_idx = split_micro_batches(
             batch,

@@ -60,6 +60,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: str = ref("actor_rollout_ref.actor.loss_agg_mode")
+    freeze_vision_tower: bool = ref("actor_rollout_ref.actor.freeze_vision_tower")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
 
@@ -77,6 +78,16 @@ def check_value_head(model: Any, prefix: str) -> None:
                           "start from a reward model with one label (num_labels=1) only")
 
 
+def check_vision_freeze(critic: Any) -> None:
+    """`critic.freeze_vision_tower` needs a vision-language model (a folder whose config has a vision tower)."""
+    from hflow.utils.vision import has_vision_tower
+
+    if critic.freeze_vision_tower and not has_vision_tower(str(Path(str(critic.model.path)).expanduser())):
+        raise ConfigError(f"critic.freeze_vision_tower=true (it follows actor_rollout_ref.actor.freeze_vision_tower), "
+                          f"but critic.model.path={critic.model.path} is not a vision-language model (no vision_config "
+                          "in its config.json); set critic.freeze_vision_tower=false")
+
+
 def check_critic(critic: Any) -> None:
     """Before Ray starts (with `algorithm.adv_estimator=gae`): a model to start from, its value head, its
     optimizer and offload settings (its batch sizes: `check_critic_batches`)."""
@@ -85,6 +96,7 @@ def check_critic(critic: Any) -> None:
                           "(by default it is the actor's model)")
     errors = ConfigErrors()
     errors.run(check_value_head, critic.model, "critic.model")
+    errors.run(check_vision_freeze, critic)
     errors.run(check_optim, critic.optim, "critic.optim")
     errors.run(check_offload, critic.model.fsdp_config, "critic.model.fsdp_config")
     errors.run(check_positive_number, critic.grad_clip, "critic.grad_clip", "the largest gradient norm")

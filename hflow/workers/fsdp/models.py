@@ -258,6 +258,8 @@ def load_value_model(
         raise ValueError(f"{path} is a sequence classifier with num_labels={config.num_labels}; a critic can start "
                          "from a reward model with one label only")
     _apply_overrides(config, {"num_labels": 1, "classifier_dropout": 0.0})
+    if hasattr(config, "vision_config"):  # a vision-language backbone: its token classifier (registered)
+        register_vision_value_model(config)
     loading_info: dict = {}
     model = _on_this_rank(AutoModelForTokenClassification, path, config, dtype, attn_implementation,
                           trust_remote_code, rank0_only, loading_info=loading_info)
@@ -282,6 +284,36 @@ def load_value_model(
         if head.bias is not None:
             head.bias.zero_()
     return model
+
+
+def register_vision_value_model(config: PretrainedConfig) -> type:
+    """`AutoModelForTokenClassification`'s class for a vision-language config (Qwen2-VL's family), which
+    transformers does not ship: the family's base model (vision tower + language model, `model`, reading
+    `pixel_values`, `image_grid_thw` and multimodal `position_ids` as the generation class does) under a
+    linear head per token (`score`), with transformers' generic token-classification forward. The family's
+    checkpoint key renames (older folders keep `visual.*` and `model.layers.*` at the top) are registered
+    for it as for the generation class, so it loads a policy's folder, and saves and reloads as itself."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.modeling_layers import GenericForTokenClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_MAPPING
+
+    key = type(config)
+    if key in _VISION_VALUE_MODELS:
+        return _VISION_VALUE_MODELS[key]
+    base, generation = MODEL_MAPPING[key], MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[key]
+    family = next(c for c in base.__mro__[1:] if issubclass(c, PreTrainedModel))  # e.g. Qwen2VLPreTrainedModel
+    name = generation.__name__.replace("ForConditionalGeneration", "ForTokenClassification")
+    cls = type(name, (GenericForTokenClassification, family), {"__module__": __name__})
+    renames = get_checkpoint_conversion_mapping(generation.__name__)
+    if renames is not None:
+        register_checkpoint_conversion_mapping(name, renames, overwrite=True)
+    AutoModelForTokenClassification.register(key, cls, exist_ok=True)
+    _VISION_VALUE_MODELS[key] = cls
+    return cls
+
+
+_VISION_VALUE_MODELS: dict[type, type] = {}
 
 
 def is_sequence_classifier(config: PretrainedConfig | Mapping[str, Any]) -> bool:
