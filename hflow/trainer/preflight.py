@@ -201,6 +201,7 @@ def preflight_check(config: DictConfig) -> None:
     run(check_custom_reward_on_error, config.custom_reward_function)
     if data_ok:
         run(check_reward_sources, config)
+        run(check_image_rollouts, config)
     if trainer.reward_audit:
         run(check_reward_audit, trainer)
     run(check_memory_plan_keys, trainer)
@@ -457,6 +458,32 @@ def check_reward_sources(config: DictConfig) -> None:
                     f"{files_key}: {path} has data_source {by_episode[0]!r}, scored by its environment's verdict in a "
                     "multi-turn episode; set actor_rollout_ref.rollout.multi_turn.enable=true with its environment "
                     "(multi_turn.env_config_path), or data.builtin_task=vault for the built-in one")
+
+
+def check_image_rollouts(config: DictConfig) -> None:
+    """Prompts with images (a `data.image_key` column in the data files) are sampled by the HF rollout, single-
+    and multi-turn, and by vLLM single-turn; vLLM's streaming paths (its multi-turn loop, continuous admission,
+    generation interrupted by weight updates) do not hand the engine the images yet, and would sample blind."""
+    rollout, prefix = config.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    if rollout.name != "vllm":
+        return
+    streaming = [key for key, on in ((f"{prefix}.multi_turn.enable=true", rollout.multi_turn.enable),
+                                     (f"{prefix}.admission=continuous", rollout.admission == "continuous"),
+                                     (f"{prefix}.partial_rollout=true", rollout.partial_rollout),
+                                     (f"trainer.async_steps={config.trainer.async_steps}",
+                                      int(config.trainer.async_steps) >= 2)) if on]
+    if not streaming:
+        return
+    import pyarrow.parquet as pq
+
+    image_key = config.data.image_key
+    for key in ("data.train_files", "data.val_files"):
+        for path in data_files(OmegaConf.select(config, key)):
+            if image_key in pq.read_schema(Path(str(path)).expanduser()).names:
+                raise ConfigError(
+                    f"{key}: {path} has images (column {image_key!r}, data.image_key), which vLLM's streaming "
+                    f"rollouts do not take yet ({', '.join(streaming)}); sample them with "
+                    f"{prefix}.name=hf (single- or multi-turn), or with vLLM single-turn (turn those keys off)")
 
 
 def check_rollout_is(algo: DictConfig, rollout: DictConfig) -> None:

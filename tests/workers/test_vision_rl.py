@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from hflow.agent.parsers import ParsedTurn, ToolCall, ToolCallParser, register_parser
 from hflow.protocol import DataProto
 from hflow.tasks.tiny_vision import build_vision_lm
 from hflow.trainer.config import default_config
@@ -164,3 +166,98 @@ def test_one_ppo_step_with_a_vision_critic(vl_dir, data_file, tmp_path):
         assert np.isfinite(record[key]), key
     assert record["critic/values/max"] > record["critic/values/min"]  # a normal head: values differ by state
     assert record["training/rollout_probs_diff_max"] < 1e-3
+
+
+# ---- multi-turn episodes on image prompts ------------------------------------------------------------------
+
+
+@register_parser("test-always-calls")
+class AlwaysCalls(ToolCallParser):
+    """Every turn calls `echo` (the random model writes no tool calls): episodes run to the turn limit."""
+
+    def parse(self, text: str) -> ParsedTurn:
+        return ParsedTurn(content="", calls=[ToolCall("echo", {"text": text[:4]})], malformed=[])
+
+
+@torch.no_grad()
+def end_turns_soon(model, tokenizer, strength: float = 0.6) -> None:
+    """Point the EOS logit row along the mean final hidden state (in place), so a random model ends its turns
+    within a few tokens and an episode holds several."""
+    ids = torch.randint(10, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1)
+    mean = hidden.mean(0)
+    model.lm_head.weight[tokenizer.eos_token_id] = strength * mean / mean.norm() * hidden.norm(dim=-1).mean()
+
+
+def echo_tool_config(folder: Path) -> str:
+    (folder / "echo_tools.py").write_text('def echo(text: str) -> str:\n    return "seen: " + text\n')
+    (folder / "tools.yaml").write_text(
+        "tools:\n  - function: echo_tools.py:echo\n    tool_schema:\n      type: function\n      function:\n"
+        "        name: echo\n        description: repeat the text\n"
+        "        parameters: {type: object, properties: {text: {type: string}}, required: [text]}\n")
+    return str(folder / "tools.yaml")
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_multi_turn_episode_on_an_image_prompt_sampler_equals_trainer(vl_dir, tokenizer, prompts, tmp_path,
+                                                                      remove_padding):
+    """An image prompt, assistant turns and text tool results (HF rollout): the image's tokens stay in the
+    trajectory's prompt, and the trainer's log-probs of every sampled token -- later turns included, sampled
+    after tool tokens -- are the sampler's, which they are only if every turn was sampled with the images and
+    the multimodal positions the trainer computes over the whole episode."""
+    from hflow.workers.actor import DataParallelPPOActor
+    from hflow.workers.rollout.hf_rollout import HFRollout
+    from tests.workers.test_vision import make_actor
+
+    config = default_config().actor_rollout_ref.rollout
+    for key, value in {"n": 2, "temperature": 0.8, "response_length": 40, "prompt_length": 64,
+                       "multi_turn.enable": True, "multi_turn.format": "test-always-calls",
+                       "multi_turn.tool_config_path": echo_tool_config(tmp_path),
+                       "multi_turn.max_assistant_turns": 2}.items():
+        OmegaConf.update(config, key, value, merge=True)
+    actor = make_actor(vl_dir, remove_padding=remove_padding)
+    end_turns_soon(actor.actor_module, tokenizer)
+    images = prompts.select_idxs([0, 1])  # one image; two images
+    torch.manual_seed(0)
+    out = HFRollout(actor.actor_module, config, tokenizer).generate_sequences(images)
+
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grids = [m["image_grid_thw"] for m in out.non_tensor_batch["multi_modal_inputs"]]
+    assert [int((p == image_token).sum()) for p in out.batch["prompts"]] == [int(g.prod(-1).sum()) // 4 for g in grids]
+    episodes = out.non_tensor_batch["episode"]
+    mask = out.batch["response_mask"].bool()
+    second_turn = torch.zeros_like(mask)  # the sampled tokens after the first tool result
+    for i, episode in enumerate(episodes):
+        if episode["num_turns"] == 2:
+            tool = (~mask[i] & out.batch["attention_mask"][i, -mask.shape[1]:].bool()).nonzero()
+            second_turn[i, int(tool[-1]) + 1:] = mask[i, int(tool[-1]) + 1:]
+    out.meta_info.update(temperature=0.8, micro_batch_size=3)
+    log_probs, _ = actor.compute_log_prob(out)
+    assert (log_probs - out.batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+    assert second_turn.sum() >= 4, [(e["num_turns"], e["ended"]) for e in episodes]
+    # the images matter to those later turns: other pixels give other log-probs there
+    other = out.select(deepcopy=True)
+    other.non_tensor_batch["multi_modal_inputs"] = np.array(
+        [{**m, "pixel_values": torch.randn_like(m["pixel_values"])} for m in other.non_tensor_batch["multi_modal_inputs"]],
+        dtype=object)
+    blind, _ = DataParallelPPOActor(actor.config, actor.actor_module).compute_log_prob(other)
+    assert (blind - log_probs)[second_turn].abs().max() > 1e-3
+
+
+def test_preflight_refuses_images_on_vllm_streaming_rollouts(data_file):
+    """vLLM's multi-turn loop, continuous admission and interruptible generation do not take images yet:
+    preflight stops such a run naming the data file and the keys; the HF rollout and single-turn vLLM pass."""
+    from hflow.trainer.preflight import check_image_rollouts
+    from hflow.utils.errors import ConfigError
+
+    config = default_config()
+    config.data.train_files = config.data.val_files = data_file
+    config.actor_rollout_ref.rollout.name = "vllm"
+    check_image_rollouts(config)  # single-turn vLLM takes them
+    for key, value in (("multi_turn.enable", True), ("admission", "continuous"), ("partial_rollout", True)):
+        streaming = config.copy()
+        OmegaConf.update(streaming, f"actor_rollout_ref.rollout.{key}", value)
+        with pytest.raises(ConfigError, match=rf"data.train_files: .* has images .*rollout.{key}=.*rollout.name=hf"):
+            check_image_rollouts(streaming)
+        streaming.actor_rollout_ref.rollout.name = "hf"
+        check_image_rollouts(streaming)

@@ -175,7 +175,8 @@ def refuse_images(prompts: DataProto, what: str) -> None:
     """Stop a generation path that would drop the prompts' images (and sample blind)."""
     images = prompts.non_tensor_batch.get("multi_modal_data")
     if images is not None and any(images):
-        raise NotImplementedError(f"{what} do not take images yet; use a single-turn rollout for prompts with images")
+        raise NotImplementedError(f"{what} do not take images yet; sample prompts with images with "
+                                  "actor_rollout_ref.rollout.name=hf (single- or multi-turn) or single-turn vLLM")
 
 
 def pad_log_probs(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:

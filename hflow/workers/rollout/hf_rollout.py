@@ -28,7 +28,6 @@ from hflow.workers.rollout.base import (
     BaseRollout,
     SamplingSettings,
     assemble_rollout_output,
-    refuse_images,
     resolve_sampling,
 )
 from hflow.workers.fsdp.passes import compute_weights
@@ -48,7 +47,10 @@ class HFRollout(BaseRollout):
     Prompts with images (a vision-language model; the dataset's non-tensor `multi_modal_inputs`) go to
     `generate` with their `pixel_values` and `image_grid_thw` and the image-token types the model needs for
     its multimodal positions; `generate` encodes each image once and repeats its features for the `n`
-    samples. (Single-turn; the multi-turn waves take text prompts only.)
+    samples. Multi-turn episodes keep their prompt's images: every wave hands each turn's row its episode's
+    `pixel_values` and `image_grid_thw` again (the image tokens stay in the trajectory's prompt), so each turn
+    is sampled with the images and the multimodal positions the trainer's forward computes over the whole
+    episode. (Tool results are text.)
     """
 
     def __init__(self, module: nn.Module, config: DictConfig, tokenizer: Any = None) -> None:
@@ -70,9 +72,8 @@ class HFRollout(BaseRollout):
         try:
             with compute_weights(self.module, accumulate_grads=False):
                 if self.multi_turn is not None:
-                    refuse_images(prompts, "multi-turn HF rollouts")
                     engine = _WaveEngine(self, settings, prompts.meta_info["eos_token_id"],
-                                         prompts.meta_info["pad_token_id"])
+                                         prompts.meta_info["pad_token_id"], _episode_images(prompts, settings.n))
                     return self.multi_turn.generate(prompts, settings, engine, self.calculate_log_probs,
                                                     all_done=_all_ranks_done if _synced() else None)
                 outputs = [self._generate(chunk, settings) for chunk in prompts.split(micro_batch_size)]
@@ -148,6 +149,15 @@ class HFRollout(BaseRollout):
         return vision
 
 
+def _episode_images(prompts: DataProto, n: int) -> list | None:
+    """Each episode's vision inputs, in the agent loop's episode order (prompt-major, n per prompt); None
+    when no prompt has an image."""
+    rows = prompts.non_tensor_batch.get(MM_INPUTS)
+    if rows is None or not any(rows):
+        return None
+    return [row for row in rows for _ in range(n)]
+
+
 def _synced() -> bool:
     """Several ranks generate with one FSDP module: every rank must step `generate` together."""
     return dist.is_initialized() and dist.get_world_size() > 1
@@ -166,9 +176,11 @@ class _WaveEngine(TurnEngine):
 
     streams = False
 
-    def __init__(self, rollout: HFRollout, settings: SamplingSettings, eos_token_id, pad_token_id: int) -> None:
+    def __init__(self, rollout: HFRollout, settings: SamplingSettings, eos_token_id, pad_token_id: int,
+                 images: list | None = None) -> None:
         self.rollout = rollout
         self.settings = settings
+        self.images = images  # per episode key, its prompt's vision inputs (`_episode_images`)
         self.eos_ids = [int(t) for t in np.atleast_1d(eos_token_id)]
         self.pad_token_id = int(pad_token_id)
         self.queue: list[tuple[int, list[int], int]] = []
@@ -191,10 +203,16 @@ class _WaveEngine(TurnEngine):
         for i, (ids, _) in enumerate(rows):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
+        vision = {}
+        if self.images is not None:  # the turns' episodes' images, in row order (a placeholder row has none)
+            vision = batch_vision_inputs([self.images[key] for key, _, _ in turns], module_device)
+            if vision:
+                vision["mm_token_type_ids"] = mm_token_type_ids(self.rollout.module, input_ids).to(module_device)
         calculate_log_probs = self.rollout.calculate_log_probs
         out = self.rollout.module.generate(
             input_ids=input_ids.to(module_device),
             attention_mask=attention_mask.to(module_device),
+            **vision,
             max_new_tokens=max(max_tokens for _, max_tokens in rows),
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_token_id,
