@@ -261,3 +261,50 @@ def test_preflight_refuses_images_on_vllm_streaming_rollouts(data_file):
             check_image_rollouts(streaming)
         streaming.actor_rollout_ref.rollout.name = "hf"
         check_image_rollouts(streaming)
+
+
+# ---- the memory plan -----------------------------------------------------------------------------------------
+
+
+def test_memory_plan_counts_the_vision_tower_on_the_images(vl_dir, tmp_path, monkeypatch):
+    """A vision-language model's plan holds its vision tower's parameters and, in every pass, what the tower holds
+    on the micro-batch's images (traced on fake tensors); more image tokens per prompt, more memory; a frozen
+    tower holds no activations for backward; a text model has no such term."""
+    from hydra import compose, initialize_config_dir
+
+    from hflow import CONFIG_DIR
+    from hflow.trainer.config import validate_config
+    from hflow.trainer.memory import plan as mp
+    from hflow.trainer.memory.facts import model_numel
+
+    monkeypatch.setenv("HFLOW_CACHE", str(tmp_path / "cache"))
+
+    def plan(prompt: int, *overrides: str) -> dict[str, dict[str, float]]:
+        args = [f"actor_rollout_ref.model.path={vl_dir}", f"data.max_prompt_length={prompt}",
+                "data.max_response_length=16", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=1",
+                "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=gae",
+                "critic.forward_micro_batch_size_per_gpu=2", "trainer.backend=local", "trainer.n_gpus_per_node=1",
+                *overrides]
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            config = validate_config(compose(config_name="ppo_trainer", overrides=args))
+        return {p.name: p.components for p in mp.plan_memory(config, "cpu", 8 * 2**30).phases}
+
+    def tower(phases, name: str) -> float:
+        [value] = [v for k, v in phases[name].items() if "vision tower" in k]
+        return value
+
+    vision_params = sum(p.numel() for n, p in make_critic(vl_dir, False).critic_module.named_parameters()
+                        if "visual" in n)
+    assert model_numel(json.dumps(json.loads((vl_dir / "config.json").read_text())))[0] > vision_params > 0
+    small, large = plan(32), plan(128)
+    for name in ("old log-prob", "values", "actor update", "critic update"):
+        assert tower(large, name) > 3 * tower(small, name) > 0, name  # 4x the image tokens
+    frozen = plan(32, "actor_rollout_ref.actor.freeze_vision_tower=true")
+    # (at this width the processor's fp32 pixels, 4 patches x 1176 values per image token, are most of it)
+    assert tower(small, "actor update") > 1.3 * tower(small, "old log-prob")  # the backward keeps the activations
+    assert tower(frozen, "actor update") < 0.8 * tower(small, "actor update")
+    assert tower(frozen, "critic update") < 0.8 * tower(small, "critic update")  # the critic's follows the actor's
+    assert mp.image_layout(str(vl_dir), json.dumps({"model_type": "qwen2"}), 64) == ()
+    assert mp.image_layout(str(vl_dir), (vl_dir / "config.json").read_text(), 40) == (16, 16, 8)  # 112x112 at most

@@ -315,6 +315,10 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         tensors = sum(v for k, v in comps.items() if "assumed" not in k and not k.startswith("vLLM"))
         return {**comps, "allocator slack (assumed)": ASSUMED["allocator_slack"] * tensors}
 
+    # a vision-language model: the worst case the prompt length allows, every prompt token an image token, in
+    # images of the processor's largest size (`image_layout`); each pass's vision tower traced on them
+    images = image_layout(model_cfg.path, model_text, prompt)
+
     phases: list[Phase] = []
     sequences = per_rank(batch)
     # 1. generation
@@ -369,6 +373,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
             pass_spec = replace(pass_spec, model_config=teacher_text)
         peak = trace(pass_spec)
         comps = traced_components(peak, label)
+        if r is not teacher_role:
+            comps.update(vision_pass(pass_spec, label, images))
         comps.update(others(owner, optimizer_of=owner))
         comps.update(engine_between)
         comps.update(overhead)
@@ -387,6 +393,8 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         pass_spec = spec(r, b, train=True, micro_batches=min(2, accumulation), entropy=entropy)
         peak = trace(pass_spec)
         comps = traced_components(peak, who)
+        frozen = (config.critic if who == "critic" else actor).freeze_vision_tower
+        comps.update(vision_pass(replace(pass_spec, train=not frozen), who, images))
         comps.update(others(who))
         comps.update(engine_between)
         comps.update(overhead)
@@ -399,6 +407,35 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
              "KV tokens": kv_tokens, "gpu_memory_utilization": gmu if cuda else None,
              "sequences per rank": sequences, "sequence length": seq}
     return Plan(phases, device_bytes, target, world, facts)
+
+
+def image_layout(model_path: str, model_text: str, prompt_tokens: int) -> tuple[int, ...]:
+    """A sequence's images in the worst case (merged tokens per image): `prompt_tokens` image tokens (the
+    dataset counts them in `data.max_prompt_length`), in images of the processor's largest size (its
+    `max_pixels`: `size.longest_edge` in `preprocessor_config.json`) and one of the rest; () for a text model."""
+    from pathlib import Path
+
+    vision = json.loads(model_text).get("vision_config")
+    if vision is None:
+        return ()
+    pre_file = Path(str(model_path)).expanduser() / "preprocessor_config.json"
+    pre = json.loads(pre_file.read_text()) if pre_file.is_file() else {}
+    max_pixels = (pre.get("size") or {}).get("longest_edge") or pre.get("max_pixels")
+    token_pixels = (int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))) ** 2
+    largest = max(1, int(max_pixels) // token_pixels) if max_pixels else prompt_tokens
+    whole, rest = divmod(prompt_tokens, largest)
+    return (largest,) * whole + ((rest,) if rest else ())
+
+
+def vision_pass(pass_spec, label: str, images: tuple[int, ...]) -> dict[str, float]:
+    """The vision tower's share of a pass on a vision-language model (`trace._run_vision`): what its forward
+    (and backward, when it trains) holds on the micro-batch's images; {} for a text model."""
+    if not images:
+        return {}
+    peak = trace(replace(pass_spec, image_tokens=images))
+    model_state = ("Sharded Param", "Sharded Grad", "Buffer", "OptState", "Total")  # the pass's own trace has them
+    held = sum(v for k, v in peak.items() if k not in model_state)
+    return {f"{label} vision tower (activations, pixels)": float(held)}
 
 
 def _lora_numel(model_text: str, lora: tuple) -> int:

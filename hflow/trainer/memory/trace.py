@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,6 +78,9 @@ class PassSpec:
     foreach_optimizer: bool = False  # AdamW's multi-tensor path (the default for CUDA tensors)
     attn_implementation: str = "sdpa"
     logits_positions: int | None = None  # no-grad full forward keeping this many positions' logits (rollout)
+    # a vision-language model's vision tower on `batch` sequences' images, each (merged tokens per image, ...):
+    # traced alone (`_run_vision`) when set
+    image_tokens: tuple[int, ...] = ()
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -308,11 +311,74 @@ def _fake_world(world: int):
         dist.destroy_process_group()
 
 
+VISION_ATTENTION = "flash_attention_hflow_trace"  # a name transformers reads as a varlen (flash) kernel's
+
+
+def _varlen_attention_shape(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """What a varlen attention kernel (flash-attn, or torch's CPU flash kernel) holds and returns: the output,
+    (1, N, heads, head_dim), and no N x N scores; its values do not matter on fake tensors."""
+    return torch.empty_like(query).transpose(1, 2).contiguous(), None
+
+
+def _vision_inputs(spec: PassSpec, vision: Any) -> dict[str, Any]:
+    """Real (not fake) grid, vision positions and sequence bounds of the images: the tower reads their values
+    (`tolist`), which fake tensors do not have; the pixels are made fake by the caller."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    merge = int(vision.spatial_merge_size)
+    grid = torch.tensor([[1, merge, merge * k] for k in spec.image_tokens * spec.batch])
+    bounds = get_vision_cu_seqlens(grid)
+    channels = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    return {"grid_thw": grid, "cu_seqlens": bounds, "max_seqlen": int((bounds[1:] - bounds[:-1]).max()),
+            "position_ids": get_vision_position_ids(grid, merge), "patches": int(grid.prod(-1).sum()),
+            "channels": channels}
+
+
+def _run_vision(spec: PassSpec, inputs: dict[str, Any]) -> dict[str, int]:
+    """The vision tower's forward (and, in an update whose tower trains, its backward) on the micro-batch's
+    images, under torch's `MemTracker`: what it holds beside the language model's pass. Its parameters and
+    gradients are the model's, counted by the pass's own trace."""
+    from transformers import AttentionInterface
+
+    from hflow.utils.vision import vision_tower
+
+    AttentionInterface.register(VISION_ATTENTION, _varlen_attention_shape)
+    dtype = spec.param_dtype or spec.model_dtype
+    model = _build(replace(spec, image_tokens=(), model_dtype=dtype, lora=None))
+    if spec.gradient_checkpointing and spec.train:
+        from hflow.workers import fsdp
+
+        fsdp.enable_gradient_checkpointing(model)
+    tower = vision_tower(model)
+    for module in tower.modules():
+        if getattr(module, "config", None) is not None:
+            module.config._attn_implementation = VISION_ATTENTION
+    tower.train(spec.train)
+    tower.requires_grad_(spec.train)
+    tracker = _PlainMemTracker()  # (a frozen tower's parameters take no gradient hooks)
+    tracker.track_external(tower)
+    kwargs = {k: inputs[k] for k in ("grid_thw", "cu_seqlens", "max_seqlen", "position_ids")}
+    with tracker, torch.set_grad_enabled(spec.train):
+        pixels = torch.zeros((inputs["patches"], inputs["channels"]))  # the processor's fp32 pixel_values
+        merged = tower(pixels, **kwargs).pooler_output
+        if spec.train:
+            merged.float().sum().backward()
+    return _peak(tracker)
+
+
 def trace_fake(spec: PassSpec, optim_cfg: Any = None) -> dict[str, int]:
     """The peak of `spec` on one of its `world` ranks, by category, counted on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01, kernel="foreach")
+    if spec.image_tokens:
+        from transformers import AutoConfig
+
+        vision = AutoConfig.for_model(**json.loads(spec.model_config)).vision_config
+        inputs = _vision_inputs(spec, vision)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _run_vision(spec, inputs)
     if spec.logits_positions is not None:
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _run(_build(spec), spec, optim_cfg)
