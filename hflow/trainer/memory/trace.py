@@ -314,11 +314,28 @@ def _fake_world(world: int):
 VISION_ATTENTION = "flash_attention_hflow_trace"  # a name transformers reads as a varlen (flash) kernel's
 
 
+class _VarlenAttention(torch.autograd.Function):
+    """What a varlen attention kernel (flash-attn, torch's CPU flash kernel) allocates: the output, and for
+    backward q, k, v, the output and the row log-sum-exps (heads x N); no N x N scores. Values do not matter
+    on fake tensors."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(query)
+        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
 def _varlen_attention_shape(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """What a varlen attention kernel (flash-attn, or torch's CPU flash kernel) holds and returns: the output,
-    (1, N, heads, head_dim), and no N x N scores; its values do not matter on fake tensors."""
-    return torch.empty_like(query).transpose(1, 2).contiguous(), None
+    """The vision tower's attention as transformers calls it: (1, heads, N, head_dim) in, (1, N, heads,
+    head_dim) out (`_VarlenAttention`)."""
+    return _VarlenAttention.apply(query, key, value).transpose(1, 2).contiguous(), None
 
 
 def _vision_inputs(spec: PassSpec, vision: Any) -> dict[str, Any]:
