@@ -308,3 +308,16 @@ def test_memory_plan_counts_the_vision_tower_on_the_images(vl_dir, tmp_path, mon
     assert tower(frozen, "critic update") < 0.8 * tower(small, "critic update")  # the critic's follows the actor's
     assert mp.image_layout(str(vl_dir), json.dumps({"model_type": "qwen2"}), 64) == ()
     assert mp.image_layout(str(vl_dir), (vl_dir / "config.json").read_text(), 40) == (16, 16, 8)  # 112x112 at most
+
+
+def test_critic_freeze_vision_tower_needs_a_vision_model(vl_dir, tmp_path):
+    from hflow.utils.errors import ConfigError
+    from hflow.workers.critic.config import check_vision_freeze
+
+    critic = default_config().critic
+    critic.freeze_vision_tower, critic.model.path = True, str(vl_dir)
+    check_vision_freeze(critic)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    critic.model.path = str(tmp_path)
+    with pytest.raises(ConfigError, match="critic.freeze_vision_tower=true .* not a vision-language model"):
+        check_vision_freeze(critic)
