@@ -37,9 +37,15 @@ def wg(ray_session):
 
 
 @pytest.fixture(scope="module")
-def critic_wg(ray_session):
-    group = make_group(RayClassWithInitArgs(CriticLike, scale=3))
-    yield group
+def colocated(ray_session):
+    """An actor role and a critic role in one process per rank: the colocation test reads it, the future
+    test sends into its critic and the overlap test naps on its actor (each new actor process costs ~8 s of
+    CPU importing torch here, so the module builds as few as it can)."""
+    group = make_group(create_colocated_worker_cls({
+        "actor": RayClassWithInitArgs(ComputeWorker, offset=5),
+        "critic": RayClassWithInitArgs(CriticLike, scale=2),
+    }))
+    yield group, group.spawn({"actor", "critic"})
     group.shutdown()
 
 
@@ -66,15 +72,8 @@ def test_rank_info_and_rendezvous(wg):
     assert len({i["pid"] for i in infos}) == WORLD
 
 
-def test_cpus_per_worker_sets_each_workers_threads(ray_session, wg):
-    assert wg.threads() == [(1, "1")] * WORLD  # the default: one CPU, one thread per worker
-    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False, cpus_per_worker=2), RayClassWithInitArgs(ComputeWorker))
-    try:
-        assert group.threads() == [(2, "2"), (2, "2")]
-    finally:
-        group.shutdown()
-    with pytest.raises(ValueError, match="cpus_per_worker"):
-        RayResourcePool([1], use_gpu=False, cpus_per_worker=0)
+def test_default_is_one_cpu_and_one_thread_per_worker(wg):
+    assert wg.threads() == [(1, "1")] * WORLD  # cpus_per_worker=2: test_a_configured_group_...
 
 
 def test_one_to_all_args_and_kwargs(wg):
@@ -142,13 +141,13 @@ def test_driver_function_runs_on_every_rank(wg):
 
 
 @pytest.mark.parametrize("n", [4, 5])
-def test_non_blocking_future_passed_into_another_group(wg, critic_wg, n):
+def test_non_blocking_future_passed_into_another_group(wg, colocated, n):
     future = wg.double_async(_data(n))
     assert isinstance(future, DataProtoFuture)
-    out = critic_wg.scale_a(future)  # materialised on the receiving ranks
+    out = colocated[1]["critic"].scale_a(future)  # materialised on the receiving ranks
     chunk = -(-n // WORLD)
     doubled = [2 * i + (i // chunk) for i in range(n)]
-    assert out.batch["a"].tolist() == [3 * v for v in doubled]
+    assert out.batch["a"].tolist() == [2 * v for v in doubled]
     assert future.get().batch["a"].tolist() == doubled  # the future itself comes back unpadded
 
 
@@ -178,34 +177,12 @@ def test_ray_remote_and_plain_class_both_build_groups_in_either_order(groups, or
         assert consumer.tag_rank(data=producer.double_later(_data(3))).batch["a"].tolist() == [0, 2, 104]
 
 
-def test_submitted_calls_on_two_groups_run_at_the_same_time(wg, groups):
-    """`group.start(Worker.method, ...)` returns at once; calls on groups of other processes overlap (as generation on
-    the rollout pool overlaps training with trainer.async_steps=1); `result()` collects as a blocking call."""
-    other = groups(RayClassWithInitArgs(ComputeWorker))
-    other.nap(0)  # started and warm
-    started = time.monotonic()
-    first, second = wg.start(ComputeWorker.nap, 1.0), other.start(ComputeWorker.nap, 1.0)
-    assert time.monotonic() - started < 0.5
-    intervals = first.result() + second.result()
-    assert len(intervals) == 2 * WORLD
-    assert max(start for start, _ in intervals) < min(end for _, end in intervals)  # all four naps overlapped
-    assert first.result() is first.result()  # collected once
-    assert wg.start(ComputeWorker.add_rank, 1).result() == [2, 3]  # the same collect as the blocking call
-    with pytest.raises(WorkerGroupError, match="boom from rank one"):
-        other.start(ComputeWorker.fail_on_rank_one).result()
-
-
 def test_gloo_all_reduce_across_ranks(wg):
     assert wg.all_reduce_rank() == [3.0, 3.0]
 
 
-def test_colocated_roles_share_one_process_and_spawn_per_role_groups(groups):
-    colocated = create_colocated_worker_cls({
-        "actor": RayClassWithInitArgs(ComputeWorker, offset=5),
-        "critic": RayClassWithInitArgs(CriticLike, scale=2),
-    })
-    group = groups(colocated)
-    roles = group.spawn({"actor", "critic"})
+def test_colocated_roles_share_one_process_and_spawn_per_role_groups(colocated):
+    group, roles = colocated
     actor_pids = [info["pid"] for info in roles["actor"].rank_info()]
     assert roles["critic"].pid() == actor_pids
     assert len(set(actor_pids)) == WORLD
@@ -217,32 +194,30 @@ def test_colocated_roles_share_one_process_and_spawn_per_role_groups(groups):
         group.spawn({"reward"})
 
 
-def test_worker_error_names_worker_and_method_without_hanging(groups):
-    wg = groups(RayClassWithInitArgs(ComputeWorker))
+# Last of the tests on `colocated`: its rank 0 is left waiting in a barrier that rank 1 never reaches.
+def test_submitted_calls_on_two_groups_run_at_the_same_time_and_a_worker_error_names_it(wg, colocated):
+    """`group.start(Worker.method, ...)` returns at once; calls on groups of other processes overlap (as generation on
+    the rollout pool overlaps training with trainer.async_steps=1); `result()` collects as a blocking call. A rank
+    that raises ends the blocking call at once, naming the worker, its rank and the method (the `start` form's
+    error: test_a_configured_group_from_start_to_shutdown)."""
+    other = colocated[1]["actor"]
+    other.nap(0)  # started and warm
+    started = time.monotonic()
+    first, second = wg.start(ComputeWorker.nap, 1.0), other.start(ComputeWorker.nap, 1.0)
+    assert time.monotonic() - started < 0.5
+    intervals = first.result() + second.result()
+    assert len(intervals) == 2 * WORLD
+    assert max(start for start, _ in intervals) < min(end for _, end in intervals)  # all four naps overlapped
+    assert first.result() is first.result()  # collected once
+    assert wg.start(ComputeWorker.add_rank, 1).result() == [2, 3]  # the same collect as the blocking call
+
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as err:
-        wg.fail_on_rank_one()
+        other.fail_on_rank_one()  # rank 0 waits in a collective for rank 1, which raised
     assert time.monotonic() - start < 15
     message = str(err.value)
     assert "rank 1" in message and "fail_on_rank_one" in message and "boom from rank one" in message
-    assert "ComputeWorker_0:1" in message
-
-
-def test_dead_worker_is_reported(groups):
-    import ray
-
-    wg = groups(RayClassWithInitArgs(CriticLike, scale=1))
-    ray.kill(wg.workers[1])
-    # ray.kill returns before the process is gone; under load a call could still reach it.
-    with pytest.raises(ray.exceptions.RayActorError):
-        while True:
-            ray.get(wg.workers[1].__ray_ready__.remote(), timeout=30)
-    with pytest.raises(WorkerGroupError) as caught:
-        wg.pid()
-    # hflow's own sentence (RayWorkerGroup._get_one), which names the worker, its rank and the method;
-    # Ray's message about the dead actor follows it and says none of these.
-    name = wg.worker_names[1]
-    assert str(caught.value).startswith(f"worker {name} (rank 1) died during pid(): "), str(caught.value)
+    assert other.worker_names[1] in message and other.worker_names[1].endswith("_0:1"), message
 
 
 def test_pool_larger_than_cluster_fails_at_once(ray_session):
@@ -252,32 +227,48 @@ def test_pool_larger_than_cluster_fails_at_once(ray_session):
     assert time.monotonic() - start < 5
 
 
-def test_shutdown_releases_resources(ray_session):
+def test_a_configured_group_from_start_to_shutdown(ray_session):
+    """One group with options, through its life: `cpus_per_worker` sets each worker's threads; a stale
+    MASTER_ADDR/PORT the actors inherit (from the driver, or set by the user) does not pair the ranks on a
+    wrong port (the group uses rank 0's published address) while the user's other variables reach them; a
+    submitted call whose rank raises fails naming it; a dead worker is reported by name; shutdown gives
+    the pool's resources back. (One group rather than one per claim: each costs two actor processes.)"""
     import ray
 
     free_before = ray.available_resources().get("CPU", 0)
-    group = make_group(RayClassWithInitArgs(CriticLike, scale=1))
-    group.shutdown()
-    deadline = time.monotonic() + 10
-    while ray.available_resources().get("CPU", 0) < free_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    # At least what was free before (an earlier test's group may still be releasing its CPUs); a group
-    # that kept its resources would leave 2 CPUs fewer.
-    assert ray.available_resources().get("CPU", 0) >= free_before
-
-
-def test_stale_master_address_in_the_environment_is_ignored(ray_session):
-    """A MASTER_ADDR/PORT the actors inherit (from the driver, or set by the user) must not pair the
-    ranks on a wrong port: the group always uses rank 0's published address."""
     cls = RayClassWithInitArgs(ComputeWorker)
     cls.update_options({"runtime_env": {"env_vars": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
                                                      "HFLOW_TEST_MARKER": "kept"}}})
-    group = make_group(cls)
+    with pytest.raises(ValueError, match="cpus_per_worker"):
+        RayResourcePool([1], use_gpu=False, cpus_per_worker=0)
+    group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False, cpus_per_worker=2), cls)
     try:
+        assert group.threads() == [(2, "2"), (2, "2")]
         assert {i["master"] for i in group.rank_info()} == {(group.master_address, group.master_port)}
         assert group.master_port != "1"
         assert group.all_reduce_rank() == [3.0, 3.0]
         assert group.execute_all_sync("getenv", "HFLOW_TEST_MARKER") == ["kept", "kept"]
         assert group.execute_all_sync("getenv", "RANK") == ["0", "1"]
+
+        with pytest.raises(WorkerGroupError, match="(?s)rank 1.*fail_on_rank_one.*boom from rank one"):
+            group.start(ComputeWorker.fail_on_rank_one).result()
+
+        ray.kill(group.workers[1])
+        # ray.kill returns before the process is gone; under load a call could still reach it.
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:
+                ray.get(group.workers[1].__ray_ready__.remote(), timeout=30)
+        with pytest.raises(WorkerGroupError) as caught:
+            group.threads()  # rank 1's death ends the call although rank 0 is still in fail_on_rank_one's barrier
+        # hflow's own sentence (RayWorkerGroup._get_one), which names the worker, its rank and the method;
+        # Ray's message about the dead actor follows it and says none of these.
+        name = group.worker_names[1]
+        assert str(caught.value).startswith(f"worker {name} (rank 1) died during threads(): "), str(caught.value)
     finally:
         group.shutdown()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < free_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # At least what was free before (an earlier test's group may still be releasing its CPUs); a group
+    # that kept its resources would leave 4 CPUs fewer.
+    assert ray.available_resources().get("CPU", 0) >= free_before

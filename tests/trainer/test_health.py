@@ -6,7 +6,7 @@ decide; either way every group's advantage is 0), NaN logits in one update, and 
 scores every response 0 for three steps (a broken reward function). Without the watch the first one ends
 the run at 0.0 (the control below); with it each fault is caught, the last healthy state is restored and
 the run still ends >= 0.8. With no fault a run with the watch on is identical, metric for metric and step
-for step, to one with it off: the snapshots change nothing.
+for step, to one with it off: the snapshots change nothing (shown on the steps before the lr spike).
 
 The runs are in-process on the local backend (one rank, FSDP2, HF generation) to keep them short; the
 watch itself lives in the driver and the workers' snapshot methods, the same on every backend.
@@ -59,25 +59,35 @@ def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith(("health/", "timing", "perf/"))}
 
 
-def test_with_no_fault_the_watch_changes_nothing(tmp_path):
-    off = _run(tmp_path, "off", steps=4)
-    on = _run(tmp_path, "on", *WATCH, steps=4)
+@pytest.fixture(scope="module")
+def lr_spike(tmp_path_factory):
+    """One update at a learning rate x1000 at FAULT_STEP, without the watch (the control) and with it."""
+    tmp_path = tmp_path_factory.mktemp("lr_spike")
+    fault = f"trainer.health.inject=[{{step: {FAULT_STEP}, kind: lr_scale, value: 1000}}]"
+    control = _run(tmp_path, "control", fault, steps=FAULT_STEP + 1)  # no watch: the run collapses and never recovers
+    watched = _run(tmp_path, "watched", fault, *WATCH, "trainer.health.remedy=lr_scale")
+    return tmp_path, control, watched
+
+
+def test_with_no_fault_the_watch_changes_nothing(lr_spike):
+    """The steps before the fault of the two lr-spike runs: a healthy run with the watch on (a snapshot taken
+    after every step) is the run with it off, metric for metric (two runs of their own would add ~8 steps)."""
+    _, off, on = lr_spike
+    off, on = off[:FAULT_STEP - 1], on[:FAULT_STEP - 1]
     assert _triggers(on) == [] and all(r["health/rollbacks"] == 0 for r in on)
-    assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(1, 5))
+    assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(1, FAULT_STEP))
     for a, b in zip(off, on):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs with the watch on"
 
 
-def test_a_learning_rate_spike_is_rolled_back(tmp_path):
-    fault = f"trainer.health.inject=[{{step: {FAULT_STEP}, kind: lr_scale, value: 1000}}]"
-    control = _run(tmp_path, "control", fault, steps=FAULT_STEP + 1)  # no watch: the run collapses and never recovers
+def test_a_learning_rate_spike_is_rolled_back(lr_spike):
+    tmp_path, control, watched = lr_spike
     assert _final_score(control) < 0.2, _final_score(control)
     # the step after the fault: the policy is ruined, in one of two ways depending on the CPU's float kernels
     # (AVX-512: one-token answers, entropy ~0; AVX2: noise, entropy many times the healthy step's)
     healthy, ruined = control[FAULT_STEP - 2]["actor/entropy"], control[FAULT_STEP]["actor/entropy"]
     assert ruined < 0.02 or ruined > 5 * healthy, (healthy, ruined)
 
-    watched = _run(tmp_path, "watched", fault, *WATCH, "trainer.health.remedy=lr_scale")
     triggered = _triggers(watched)
     assert triggered and triggered[0] == FAULT_STEP + 1, triggered  # seen in the next step's samples
     assert _final_score(watched) >= 0.8, _final_score(watched)

@@ -148,10 +148,11 @@ def max_logprob_gap(batch):
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
     (["actor_rollout_ref.model.path=/nonexistent"], "actor_rollout_ref.model.path"),
 ])
-# First in the file: its group needs the same slots that the module's `groups` fixture holds until the end.
+# First in the file: its group needs slots that the module's `groups` fixture holds until the end. One rank:
+# each check runs in every rank's init_model, and every actor process costs ~9 s of CPU importing hflow's workers.
 def test_impossible_settings_fail_at_init_model_naming_the_key(ray_session, model_path, overrides, named):
     config = make_config(model_path, *overrides)
-    group = RayWorkerGroup(RayResourcePool([WORLD], use_gpu=False), RayClassWithInitArgs(
+    group = RayWorkerGroup(RayResourcePool([1], use_gpu=False), RayClassWithInitArgs(
         ActorRolloutRefWorker, config=config.actor_rollout_ref, role="actor_rollout"))
     try:
         with pytest.raises(WorkerGroupError, match=named):
