@@ -79,11 +79,26 @@ def judge_assets():
 
 
 @pytest.fixture(scope="module")
-def judge(judge_assets, world):
-    from hflow.reward.judge_worker import VLLMJudge
+def worker(judge_assets, world):
+    """The generative reward worker on the tiny judge, reading the built-in policy's tokens: one vLLM
+    engine for the module (its `judge` is the `VLLMJudge` the judge's own tests score with)."""
+    from hflow.tasks.builtin_task import ensure_builtin_assets
+    from hflow.reward.judge_worker import GenerativeRewardModelWorker
 
-    yield VLLMJudge(judge_assets.model_path, default_config().reward_model.judge)
+    config = default_config().reward_model
+    config.enable, config.style = True, "generative"
+    config.model.path, config.model.input_tokenizer = judge_assets.model_path, ensure_builtin_assets().model_path
+    worker = GenerativeRewardModelWorker(config)
+    worker.init_model()
+    yield worker
+    del worker
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def judge(worker):
+    assert worker.judge.judge == default_config().reward_model.judge  # the default judge settings
+    return worker.judge
 
 
 def test_vllm_yes_no_equals_the_softmax_of_an_hf_forward(judge, judge_assets):
@@ -124,19 +139,10 @@ def _policy_batch(tokenizer, questions, responses, truths, P=32, L=6):
                      "reward_model": np.array([{"style": "rule", "ground_truth": t} for t in truths], dtype=object)})
 
 
-def test_worker_scores_policy_responses_at_their_last_token(judge_assets, world):
+def test_worker_scores_policy_responses_at_their_last_token(worker):
     from transformers import AutoTokenizer
 
-    from hflow.tasks.builtin_task import ensure_builtin_assets
-    from hflow.reward.judge_worker import GenerativeRewardModelWorker
-
-    policy = ensure_builtin_assets().model_path
-    config = default_config().reward_model
-    config.enable, config.style = True, "generative"
-    config.model.path, config.model.input_tokenizer = judge_assets.model_path, policy
-    worker = GenerativeRewardModelWorker(config)
-    worker.init_model()
-    tokenizer = AutoTokenizer.from_pretrained(policy)
+    tokenizer = AutoTokenizer.from_pretrained(worker.config.model.input_tokenizer)
     batch = _policy_batch(tokenizer, ["What is 7 + 5?", "What is 9 - 4?", "What is 3 + 3?"],
                           ["12", "6", ""], ["12", "5", "6"])
     messages = worker.user_messages(batch)
@@ -148,8 +154,11 @@ def test_worker_scores_policy_responses_at_their_last_token(judge_assets, world)
     torch.testing.assert_close(rm.sum(-1)[:2], torch.tensor(expected, dtype=torch.float32))
     # the number parser on the same engine: this judge answers yes/no (and was never taught to stop), so
     # its greedy text holds no number -> score_min
-    worker.config.judge.parser = "number"
-    scores, texts = worker.judge.score(messages[:2])
+    parser, worker.config.judge.parser = worker.config.judge.parser, "number"
+    try:
+        scores, texts = worker.judge.score(messages[:2])
+    finally:
+        worker.config.judge.parser = parser  # the module's engine is shared
     assert texts[0].startswith("yes") and texts[1].startswith("no") and scores == [0.0, 0.0]
 
 

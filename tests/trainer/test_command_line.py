@@ -1,6 +1,11 @@
 """`python -m hflow.trainer.main_ppo` as a user meets it: what the console shows, and how a run that the
 user's config, data or reward function cannot run ends (the message alone, as the last lines; no
 traceback; no Ray start for what can be checked before it).
+
+The bad inputs that stop before training run through the module's `main()` in this process (Hydra, the
+command-line check, `run_cli`: tests/trainer/test_user_errors.py's `run_in_process`, where reaching `train()`
+fails the test); one bad configuration runs as a user runs it, in a fresh interpreter, timed and watched for
+Ray's daemons, and so does the run whose reward function fails during training.
 """
 
 import os
@@ -18,6 +23,7 @@ import pytest
 
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from tests.conftest import REPO_ROOT
+from tests.trainer.test_user_errors import run_in_process
 
 RAY_PROCESSES = ("raylet", "gcs_server")
 
@@ -52,6 +58,12 @@ def main_ppo(cwd: Path, *args: str, timeout: float = 600, env: dict | None = Non
             proc.kill()
         log.close()
     return proc.returncode, output, started
+
+
+def assert_ray_not_started() -> None:
+    """For a case run in this process: no Ray here (`run_in_process` fails the case if train() is reached)."""
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized()
 
 
 def last_lines(output: str, n: int = 3) -> str:
@@ -103,13 +115,15 @@ def _corrupt_parquet(root: Path, builtin) -> list[str]:
     (_unknown_data_source, ["train.parquet", "'my/task'", "custom_reward_function.path"]),
     (_corrupt_parquet, ["data.train_files", "train.parquet", "not a readable parquet file"]),
 ], ids=["no-prompt-column", "unknown-data-source", "corrupt-parquet"])
-def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path, make, named):
+def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path, monkeypatch, capsys, make, named):
     args = make(tmp_path, builtin)
-    code, output, daemons = main_ppo(
-        tmp_path, *args, f"data.val_files={builtin.val_file}", f"actor_rollout_ref.model.path={builtin.model_path}",
-        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2")
+    code, output, _ = run_in_process(
+        "hflow.trainer.main_ppo", [*args, f"data.val_files={builtin.val_file}",
+                                   f"actor_rollout_ref.model.path={builtin.model_path}",
+                                   "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"],
+        tmp_path, monkeypatch, capsys)
     assert_ends_with_the_message(code, output, *named)
-    assert not daemons  # data files are read before Ray starts
+    assert_ray_not_started()  # data files are read before Ray starts
 
 
 def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
@@ -176,13 +190,14 @@ _BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("make,named", [case[1:] for case in _BAD_INPUTS], ids=[case[0] for case in _BAD_INPUTS])
-def test_a_bad_input_ends_with_one_message_naming_it_before_ray_starts(builtin, tmp_path, make, named):
-    code, output, daemons = main_ppo(tmp_path, *make(tmp_path))  # the built-in task and model otherwise
+def test_a_bad_input_ends_with_one_message_naming_it_before_ray_starts(builtin, tmp_path, monkeypatch, capsys,
+                                                                      make, named):
+    # the built-in task and model otherwise
+    code, output, _ = run_in_process("hflow.trainer.main_ppo", make(tmp_path), tmp_path, monkeypatch, capsys)
     assert_ends_with_the_message(code, output, *named)
     # The message is the very last line printed (to stderr, after stdout was flushed).
     assert output.strip().splitlines()[-1].startswith("hflow: error: "), output[-3000:]
-    assert "Started a local Ray instance" not in output
-    assert not daemons
+    assert_ray_not_started()
 
 
 def test_the_command_line_check_lets_through_what_hydra_and_the_schema_accept(tmp_path):
@@ -222,25 +237,23 @@ def test_several_bad_keys_of_one_command_are_reported_together():
     assert lines[3].startswith("  3. cannot read the command-line argument 'data.max_prompt_length'")
 
 
-def test_the_issues_health_settings_end_in_one_error_naming_each_before_ray_starts(builtin, tmp_path):
+def test_the_issues_health_settings_end_in_one_error_naming_each_before_ray_starts(tmp_path, monkeypatch, capsys):
     """Issue 39: remedy=lr_scale lr_scale=-1 (gradient ascent after a rollback), zero_adv_group_frac=50,
-    clip_scale=0 and a negative tool-result limit, all in one command: one `hflow: error:` naming each, in
-    seconds, before Ray starts."""
-    started = time.monotonic()
-    code, output, daemons = main_ppo(
-        tmp_path, "trainer.health.enable=true", "trainer.health.remedy=lr_scale", "trainer.health.lr_scale=-1",
-        "trainer.health.zero_adv_group_frac=50", "trainer.health.clip_scale=0",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5")
-    assert time.monotonic() - started < 60, output  # the interpreter and imports are most of it
+    clip_scale=0 and a negative tool-result limit, all in one command: one `hflow: error:` naming each,
+    before Ray starts."""
+    code, output, _ = run_in_process(
+        "hflow.trainer.main_ppo", [
+            "trainer.health.enable=true", "trainer.health.remedy=lr_scale", "trainer.health.lr_scale=-1",
+            "trainer.health.zero_adv_group_frac=50", "trainer.health.clip_scale=0",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=-5"], tmp_path, monkeypatch, capsys)
     assert code == 1 and "Traceback" not in output, output[-3000:]
     message = output[output.index("hflow: error: "):]
     assert message.startswith("hflow: error: 4 problems in the configuration"), output[-3000:]
     for key in ("trainer.health.lr_scale", "trainer.health.zero_adv_group_frac", "trainer.health.clip_scale",
                 "multi_turn.max_tool_response_length=-5"):
         assert key in message, (key, message)
-    assert "Started a local Ray instance" not in output
-    assert not daemons
+    assert_ray_not_started()
 
 
 # --------------------------------------------------------------------------------------------- console

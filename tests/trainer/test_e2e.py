@@ -29,7 +29,8 @@ from hflow.reward.score import arithmetic
 from hflow.tasks.builtin_task import ensure_builtin_assets
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4  # the uninterrupted run; a resumed run stops after 1 or 3 and continues to 4
+STEPS = 4  # the uninterrupted run; a resumed run starts from step 1 or 3 and continues to 4
+EPOCH_STEPS = 3  # 24 training problems at 8 per step
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +108,11 @@ def _training_steps(metrics: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_session, assets, tmp_path_factory):
-    """A 4-step GRPO run that saves its last step, with a Hugging Face export of the policy."""
+    """A 4-step GRPO run that saves steps 3 (the end of the first epoch, which a resumed test starts from)
+    and 4, with a Hugging Face export of the policy."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     metrics = run(assets, run_dir, *GRPO, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2",
-                  f"trainer.save_freq={STEPS}", f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+                  f"trainer.save_freq={EPOCH_STEPS}", f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
                   "actor_rollout_ref.actor.checkpoint.contents=[model,optimizer,extra,hf_model]")
     return run_dir, metrics
 
@@ -226,17 +228,26 @@ def _actor_optimizer_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
 
 
 # Stopped mid-epoch (after step 1 of the epoch's 3): the loader resumes inside the epoch and rolls over into
-# the next one after the restart. Stopped at an epoch's end (after step 3): the restart must begin the next
-# epoch, with its own shuffle, not replay the finished one or skip a batch of the next.
-@pytest.mark.parametrize("stop_after", [1, 3], ids=["mid-epoch", "end-of-epoch"])
+# the next one after the restart; a run of its own, stopped there by total_training_steps and found again by
+# resume_mode=auto through the `latest` marker. Stopped at an epoch's end (after step 3): the restart must
+# begin the next epoch, with its own shuffle, not replay the finished one or skip a batch of the next; it
+# starts (resume_mode=resume_path) from the uninterrupted run's own step-3 checkpoint, which saves a run.
+@pytest.mark.parametrize("stop_after", [1, EPOCH_STEPS], ids=["mid-epoch", "end-of-epoch"])
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, assets, tmp_path, uninterrupted,
                                                                  stop_after):
-    first = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={stop_after}", f"trainer.save_freq={stop_after}")
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(stop_after)
+    if stop_after == EPOCH_STEPS:
+        first, resume = [], ["trainer.resume_mode=resume_path",
+                             f"trainer.resume_from_path={uninterrupted[0] / 'ckpt' / f'global_step_{stop_after}'}"]
+    else:
+        first = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={stop_after}",
+                    f"trainer.save_freq={stop_after}")
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(stop_after)
+        resume = ["trainer.resume_mode=auto"]
     resumed = run(assets, tmp_path, *GRPO, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2",
-                  "trainer.resume_mode=auto", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2")
+                  *resume, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2")
     kept = sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*"))
-    assert kept == ["global_step_3", "global_step_4"]  # older checkpoints pruned
+    # older checkpoints pruned (the run from another's checkpoint saved only step 4 here)
+    assert kept == (["global_step_3", "global_step_4"] if first else ["global_step_4"]), kept
 
     # The restarted process logged only the steps after the checkpoint. The runs are deterministic, so a
     # restart that ignored the checkpoint and trained from step 1 would log the same values for the later
