@@ -28,10 +28,25 @@ def fill_builtin_defaults(config: DictConfig, user_keys: frozenset[str] = frozen
     settings are `config/builtin_agent_task.yaml`. With `data.builtin_task=vault` (or one of its controls,
     `vault_reset_every_turn`, `vault_shuffled`), it is the stateful vault task (`hflow.tasks.vault_task`),
     multi-turn with the environment file of the task or the control, settings `config/builtin_vault_task.yaml`.
+    With `data.builtin_task=vision_digits` (or its control `vision_digits_blanked`), it is the vision task
+    (`hflow.tasks.vision_task`: a tiny Qwen2-VL reads a two-digit number), settings `config/builtin_vision_task.yaml`.
     """
     from hflow.tasks.builtin_task import ensure_builtin_assets
+    from hflow.tasks.vision_task import BUILTIN_TASKS as VISION_TASKS
 
-    if config.data.get("builtin_task") is not None:
+    task = config.data.get("builtin_task")
+    if task in VISION_TASKS:
+        _check_own_data_and_model(config, task)
+        from hflow.tasks.vision_task import ensure_vision_assets
+
+        def files() -> tuple[str, str]:
+            assets = ensure_vision_assets()
+            return assets.train_file_for(task), assets.val_file
+
+        fill_builtin_paths(config, "actor_rollout_ref.model.path", files, "builtin_vision_task.yaml",
+                           shipped_defaults(), user_keys, model_path=lambda: ensure_vision_assets().model_path)
+        return
+    if task is not None:
         _use_vault(config, user_keys)
         from hflow.tasks.vault_task import ensure_vault_assets
 
@@ -56,14 +71,13 @@ def _use_vault(config: DictConfig, user_keys: frozenset[str]) -> None:
     any asset is built; a command that contradicts it stops naming the keys."""
     from hflow.tasks.vault_task import BUILTIN_TASKS, ensure_vault_assets
 
+    from hflow.tasks.vision_task import BUILTIN_TASKS as VISION_TASKS
+
     task = config.data.builtin_task
     if task not in BUILTIN_TASKS:
-        raise ConfigError(f"data.builtin_task={task!r}; choose one of {sorted(BUILTIN_TASKS)} (or null: arithmetic)")
-    given = [key for key in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path")
-             if OmegaConf.select(config, key) is not None]
-    if given:
-        raise ConfigError(f"data.builtin_task={task} brings its own data and model, but {', '.join(given)} "
-                          "is given; drop data.builtin_task to train on your data, or drop those keys")
+        raise ConfigError(f"data.builtin_task={task!r}; choose one of {sorted([*BUILTIN_TASKS, *VISION_TASKS])} "
+                          "(or null: arithmetic)")
+    _check_own_data_and_model(config, task)
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     if "actor_rollout_ref.rollout.multi_turn.enable" in user_keys and not multi_turn.enable:
         raise ConfigError(f"data.builtin_task={task} is a multi-turn task (an environment answers the model), but "
@@ -72,6 +86,14 @@ def _use_vault(config: DictConfig, user_keys: frozenset[str]) -> None:
         multi_turn.enable = True
         if multi_turn.env_config_path is None:
             multi_turn.env_config_path = ensure_vault_assets().env_config(BUILTIN_TASKS[task])
+
+
+def _check_own_data_and_model(config: DictConfig, task: str) -> None:
+    given = [key for key in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path")
+             if OmegaConf.select(config, key) is not None]
+    if given:
+        raise ConfigError(f"data.builtin_task={task} brings its own data and model, but {', '.join(given)} "
+                          "is given; drop data.builtin_task to train on your data, or drop those keys")
 
 
 def shipped_defaults() -> DictConfig:

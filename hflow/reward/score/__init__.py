@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hflow.reward.score import answer_style, arithmetic, code_exec, gsm8k, math, vault
+from hflow.reward.score import answer_style, arithmetic, code_exec, gsm8k, math, vault, vision_digits
 
 __all__ = ["EPISODE_SCORERS", "SCORERS", "default_compute_score"]
 
@@ -27,6 +27,7 @@ SCORERS: dict[str, Callable[[str, Any], float | dict[str, Any]]] = {
     "hflow/arithmetic": arithmetic.compute_score,
     "hflow/multiply": arithmetic.compute_score,  # the built-in agent task: the final answer's number
     "hflow/arithmetic-style": answer_style.compute_score,
+    "hflow/vision_digits": vision_digits.compute_score,  # the built-in vision task: the exact two digits
     # Code with test cases, run in hflow.sandbox; the dict adds passed/total/error to the reward's extra info.
     **dict.fromkeys(code_exec.DATA_SOURCES, code_exec.compute_score),
 }

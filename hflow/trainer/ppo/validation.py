@@ -22,17 +22,25 @@ def validate(config, tokenizer, val_dataset, collate_fn, rollouts, scorer, step:
     returns the validation metrics. Writes the samples to `trainer.validation_data_dir` when set and
     prints the first `trainer.log_val_generations`."""
     val_kwargs = config.actor_rollout_ref.rollout.val_kwargs
-    data_sources, inputs, outputs, scores = [], [], [], []
+    data_sources, inputs, groups, outputs, scores = [], [], [], [], []
     extra_infos: dict[str, list] = {}
     size = config.data.val_batch_size or len(val_dataset)
     for batch_dict in DataLoader(val_dataset, batch_size=size, shuffle=False, drop_last=False, collate_fn=collate_fn):
         batch = DataProto.from_single_dict(batch_dict).repeat(val_kwargs.n, interleave=True)
+        # A prompt's samples are grouped by its text; rows with images differ by their pictures (the text drops the
+        # image tokens: a task that asks the same question of every picture would be one group), so those group by row.
+        images = batch.non_tensor_batch.get("multi_modal_data", [None] * len(batch))
+        pictured = [bool(data and data.get("image")) for data in images]
         batch = rollouts.generate(batch, do_sample=val_kwargs.do_sample, validate=True)
         batch_scores, extra = scorer.score_validation(batch)
         scores.extend(batch_scores)
         for key, values in extra.items():
             extra_infos.setdefault(key, []).extend(values)
-        inputs.extend(tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True))
+        texts = tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        inputs.extend(texts)
+        first = len(groups) // val_kwargs.n  # this batch's first row
+        groups += [f"{text}\x00row {first + i // val_kwargs.n}" if image else text
+                   for i, (text, image) in enumerate(zip(texts, pictured, strict=True))]
         outputs.extend(tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True))
         data_sources.extend(batch.non_tensor_batch.get("data_source", ["unknown"] * len(batch)))
     if config.trainer.validation_data_dir:
@@ -41,7 +49,7 @@ def validate(config, tokenizer, val_dataset, collate_fn, rollouts, scorer, step:
     for i in range(min(config.trainer.log_val_generations, len(inputs))):
         print(f"[validation {i}] score={scores[i]:.3f}\n  prompt: {inputs[i]!r}\n  response: {outputs[i]!r}")
     infos = {"reward": scores, **{k: v for k, v in extra_infos.items() if len(v) == len(scores)}}
-    return format_validation_metrics(process_validation_metrics(np.array(data_sources, dtype=object), inputs, infos))
+    return format_validation_metrics(process_validation_metrics(np.array(data_sources, dtype=object), groups, infos))
 
 
 def dump_generations(tokenizer, batch: DataProto, path: Path, step: int) -> None:

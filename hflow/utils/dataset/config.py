@@ -16,7 +16,7 @@ from hflow.utils.dataset.rl_dataset import TRUNCATION_MODES
 class DataConfig:
     train_files: Any = None  # a parquet file or a list of them; None = the built-in task
     val_files: Any = None
-    builtin_task: Optional[str] = None  # with no data or model: None = arithmetic (agent with multi_turn) | vault...
+    builtin_task: Optional[str] = None  # with no data or model: None = arithmetic (agent with multi_turn) | vault... | vision_digits...
     prompt_key: str = "prompt"
     image_key: str = "images"
     reward_fn_key: str = "data_source"
@@ -93,8 +93,9 @@ def check_data_files(value: Any, key: str) -> None:
             raise ConfigError(f"{key}: file {path} does not exist")
 
 
-# data.builtin_task's values (hflow.tasks.vault_task.BUILTIN_TASKS; tasks sit above this layer)
-BUILTIN_TASKS = ("vault", "vault_reset_every_turn", "vault_shuffled")
+# data.builtin_task's values (hflow.tasks.vault_task.BUILTIN_TASKS and hflow.tasks.vision_task.BUILTIN_TASKS;
+# tasks sit above this layer)
+BUILTIN_TASKS = ("vault", "vault_reset_every_turn", "vault_shuffled", "vision_digits", "vision_digits_blanked")
 
 
 def check_data(data: Any) -> None:
