@@ -1,7 +1,7 @@
 """Scorer for the built-in vision task (``data_source="hflow/vision_digits"``): the exact answer.
 
 The response must be the number's two digits and nothing else (surrounding white space aside): ``47`` for a
-picture of 47; ``74``, ``47.`` or ``It is 47`` score 0.
+picture of 47; ``74``, ``47!`` (the pre-trained model's habit) or ``It is 47`` score 0.
 """
 
 from __future__ import annotations
