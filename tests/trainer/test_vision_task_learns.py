@@ -2,12 +2,12 @@
 
 `python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo data.builtin_task=vision_digits` trains
 `hflow.tasks.vision_task`: a picture of a two-digit number and the same question for every row, so the answer
-is in the picture only; the tiny Qwen2-VL reads both digits but prefers to say them reversed (greedy held-out
-accuracy 0). Held-out greedy accuracy (other pictures of the numbers, never shown in training) must go from <= 0.2
-to >= 0.8
-with the HF rollout on the local backend. The control is the same command with every training picture blanked
+is in the picture only; the tiny Qwen2-VL reads the number (held-out reading accuracy 1.0) but prefers to say it
+in a wrong format, ``47!``, which the exact answer scores 0 (greedy held-out accuracy 0). Held-out greedy accuracy
+(other pictures of the numbers, never shown in training) must go from <= 0.2 to >= 0.8 in STEPS steps with the HF
+rollout on the local backend. The control is the same command with every training picture blanked
 (`vision_digits_blanked`; validation keeps the pictures): the prompt alone says nothing, and accuracy must stay
-<= 0.2. A short version of bench/vision_task.py (3 seeds, and an inverted-reward control:
+<= 0.1. A short version of bench/vision_task.py (3 seeds, and an inverted-reward control:
 bench/results/vision_task.md); the two runs go at once, one torch thread each.
 """
 
@@ -24,9 +24,9 @@ from tests.conftest import REPO_ROOT
 from tests.trainer.learning import validation_curve
 
 VAL_KEY = "val-core/hflow/vision_digits/reward/mean@1"
-STEPS = 6
-LEARNED_AT_LEAST = 0.4  # after STEPS steps, from 0.0
-CONTROL_AT_MOST = 0.2
+STEPS = 4
+LEARNED_AT_LEAST = 0.8  # after STEPS steps, from 0.0 (the issue's mark; this run reads 0.9, the bench's seeds 0.87-1.0)
+CONTROL_AT_MOST = 0.1  # blanked training pictures: 0.0 at every step in the bench and this run
 
 
 @pytest.fixture(scope="session")
