@@ -2,7 +2,7 @@
 against the same run with the training pictures blanked and with an inverted reward (the controls); held-out
 greedy accuracy on other pictures of the 90 numbers (never shown in training), every 2 steps (`val-core/hflow/vision_digits/reward/mean@1`).
 
-    .venv/bin/python bench/vision_task.py --seeds 3 --jobs 2     # 3 arms x 3 seeds, two runs at a time
+    .venv/bin/python bench/vision_task.py --seeds 3 --jobs 3     # 3 arms x 3 seeds, three runs at a time
 
 Each run is the README's command, `python -m hflow.trainer.main_ppo algorithm.adv_estimator=grpo
 data.builtin_task=vision_digits`, on the local backend with the HF rollout (vLLM's CPU build cannot run
