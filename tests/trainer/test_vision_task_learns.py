@@ -24,8 +24,8 @@ from tests.conftest import REPO_ROOT
 from tests.trainer.learning import validation_curve
 
 VAL_KEY = "val-core/hflow/vision_digits/reward/mean@1"
-STEPS = 4
-LEARNED_AT_LEAST = 0.8  # after STEPS steps, from 0.0 (the mark; this run reads 0.9, the bench's seeds 0.87-1.0)
+STEPS = 6
+LEARNED_AT_LEAST = 0.8  # after STEPS steps, from 0.0 (the mark; the bench's 3 seeds read 0.87-1.0 at step 4, 1.0 at step 6)
 CONTROL_AT_MOST = 0.1  # blanked training pictures: 0.0 at every step in the bench and this run
 
 
