@@ -211,11 +211,10 @@ class _Inputs:
         probe = render_number("01", random.Random(0), 0, 0)
         self.prompt = self.processor([text], images=[probe])["input_ids"][0].tolist()
         self.eos = self.tokenizer.eos_token_id
-        self.digit = {d: self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
 
     def answer_ids(self, answer: str) -> list[int]:
         """The answer's tokens (digits and the HABIT's, one byte-level token a character) and the end."""
-        return [self.digit[c] if c in self.digit else self.tokenizer.convert_tokens_to_ids(c) for c in answer] + [self.eos]
+        return [self.tokenizer.convert_tokens_to_ids(c) for c in answer] + [self.eos]
 
     def pictures(self, images: list) -> dict:
         vision = self.processor.image_processor(images=images, return_tensors="pt")
