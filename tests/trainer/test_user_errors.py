@@ -74,7 +74,8 @@ def files(tmp_path_factory) -> Path:
     (grpo_step / "data").mkdir()
     (grpo_step / "data" / "state.pt").write_bytes(b"")
     (root / "grpo_run" / "latest_checkpointed_iteration.txt").write_text("1")
-    pq.write_table(pa.Table.from_pylist([{**row, "chosen": ""} if i == 3 else row for i, row in enumerate(pairs)]),
+    all_pairs = pq.read_table(stages.rm_train).to_pylist()  # enough rows for a batch: only the empty reply is wrong
+    pq.write_table(pa.Table.from_pylist([{**row, "chosen": ""} if i == 3 else row for i, row in enumerate(all_pairs)]),
                    root / "dpo_empty_chosen.parquet")
     (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
     (root / "bad_tools.yaml").write_text(
