@@ -29,6 +29,7 @@ PPO, SFT, RM = "hflow.trainer.main_ppo", "hflow.trainer.main_sft", "hflow.traine
 DPO = "hflow.trainer.main_dpo"
 GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn.enable=true"
+ENDPOINT = "actor_rollout_ref.rollout.multi_turn.endpoint"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,8 @@ def files(tmp_path_factory) -> Path:
     all_pairs = pq.read_table(stages.rm_train).to_pylist()  # enough rows for a batch: only the empty reply is wrong
     pq.write_table(pa.Table.from_pylist([{**row, "chosen": ""} if i == 3 else row for i, row in enumerate(all_pairs)]),
                    root / "dpo_empty_chosen.parquet")
+    (root / "agent.py").write_text("def run_episode(base_url, episode_id, row):\n    return None\n")
+    (root / "agent_two_arguments.py").write_text("def run_episode(base_url, row):\n    return None\n")
     (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
     (root / "bad_tools.yaml").write_text(
         "tools:\n  - function: my_tools.py:search\n    tool_schema:\n      type: function\n      function:\n"
@@ -200,6 +203,12 @@ CASES = [
      ["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", ">= 1"]),
     ("bad-truncate-side", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"],
      ["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side='top'", "middle"]),
+    ("agent-with-another-signature", PPO, [MULTI_TURN, f"{ENDPOINT}.enable=true",
+                                           f"{ENDPOINT}.agent_path={{files}}/agent_two_arguments.py"],
+     [f"{ENDPOINT}.agent_name='run_episode'", "agent_two_arguments.py defines run_episode(base_url, row)",
+      "run_episode(base_url, episode_id, row)", "give it those three arguments"]),
+    ("agent-failed-share-above-one", PPO, [MULTI_TURN, f"{ENDPOINT}.enable=true", f"{ENDPOINT}.agent_path={{files}}/agent.py",
+                                           f"{ENDPOINT}.max_failed_share=2"], [f"{ENDPOINT}.max_failed_share=2", "[0, 1]"]),
     # the supervised stages
     ("sft-zero-batch", SFT, ["data.train_batch_size=0"], ["data.train_batch_size", "positive"]),
     ("sft-negative-micro-batch", SFT, ["data.micro_batch_size_per_gpu=-2"], ["data.micro_batch_size_per_gpu"]),
@@ -268,6 +277,30 @@ def test_a_bad_input_ends_with_one_line_naming_it_before_anything_starts(files, 
         assert text.format(files=files) in last, (text, last)
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+def test_a_fixed_endpoint_port_in_use_or_shared_by_two_ranks_ends_naming_the_key(files, tmp_path, monkeypatch, capsys):
+    """The agent endpoint's `port`: one that another process listens on, and one that the default two rollout
+    ranks (trainer.n_gpus_per_node=2, colocated) would both listen on."""
+    import socket
+
+    endpoint = [*GRPO, MULTI_TURN, f"{ENDPOINT}.enable=true", f"{ENDPOINT}.agent_path={files}/agent.py"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, output, stderr = run_in_process(PPO, [*endpoint, f"{ENDPOINT}.port={port}", "trainer.n_gpus_per_node=1"],
+                                              tmp_path, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    for words in ("hflow: error: ", f"{ENDPOINT}.port={port}", f"cannot listen on 127.0.0.1:{port}", f"{ENDPOINT}.port=0"):
+        assert words in last, (words, last)
+    # (the port is free again now)
+    code, output, stderr = run_in_process(PPO, [*endpoint, f"{ENDPOINT}.port={port}"], tmp_path, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    for words in ("hflow: error: ", f"{ENDPOINT}.port={port} is one port", "2 rollout ranks on a node", "set it to 0"):
+        assert words in last, (words, last)
 
 
 def test_each_entry_point_ends_a_bad_run_with_the_message_alone(files, tmp_path):
