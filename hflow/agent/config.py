@@ -4,6 +4,7 @@ written here and in the YAML only."""
 
 from __future__ import annotations
 
+import errno
 import inspect
 import socket
 from dataclasses import dataclass, field
@@ -141,9 +142,13 @@ def open_endpoint_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
+        if err.errno == errno.EADDRINUSE:
+            why, fix = ": another process holds it", "or stop what holds it"
+        else:
+            why, fix = "", f"and {PREFIX}.endpoint.host to an address of this machine (127.0.0.1: the agents run there)"
         raise ConfigError(f"{PREFIX}.endpoint.port={port}: the agent endpoint cannot listen on {host}:{port} "
-                          f"({err.strerror or err}: another process holds it); set {PREFIX}.endpoint.port=0 for a free "
-                          "port per rollout rank, or stop what holds it") from None
+                          f"({err.strerror or err}{why}); set {PREFIX}.endpoint.port=0 for a free port per rollout "
+                          f"rank, {fix}") from None
     return sock
 
 
