@@ -128,11 +128,13 @@ def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path
 
 def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
     reward = tmp_path / "my_reward.py"
-    # None for a response longer than the preflight probe's (its ground truth, or a short wrong answer): the probe
-    # passes, and the run fails on a generated response (the built-in model's are longer); a reward that returns
-    # None for wrong answers stops in preflight (reward-none-on-wrong-answers below, tests/reward/test_probe.py)
+    # None for a wrong number only: the preflight probe (the ground truth, and a wrong answer in words) passes, and
+    # the run fails on a generated response (the built-in model answers one too high); a reward that returns None
+    # for every wrong answer stops in preflight (reward-none-on-wrong-answers below, tests/reward/test_probe.py)
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.strip() == str(ground_truth)) if len(solution_str) < 20 else None\n")
+                      "    if not solution_str.strip().isdigit():\n"
+                      "        return 0.0\n"
+                      "    return 1.0 if solution_str.strip() == str(ground_truth) else None\n")
     # the built-in task and model; the first validation's first sample fails
     code, output, _ = main_ppo(tmp_path, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}")
     assert_ends_with_the_message(code, output, "my_reward.py", "sample 0", "returned None",
