@@ -4,6 +4,9 @@ written here and in the YAML only."""
 
 from __future__ import annotations
 
+import errno
+import inspect
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +16,7 @@ from hflow.agent.parsers import get_parser
 from hflow.config_schema import ConfigError, ConfigErrors, check_choice
 
 PREFIX = "actor_rollout_ref.rollout.multi_turn"
+EPISODE_HEADER = "X-Episode-Id"  # the header by which an agent's request names its episode (hflow.agent.endpoint)
 
 
 @dataclass
@@ -27,6 +31,7 @@ class EndpointConfig:
     port: int = 0  # 0 = a free port for each rollout rank
     max_concurrent_episodes: int = 64  # agent functions running at once per rollout rank
     episode_timeout_s: float = 600.0  # an agent function still running after this is abandoned (agent_timeout)
+    max_failed_share: float = 0.5  # stop the run when more of a rollout's episodes fail (the agent raised or sampled nothing); 1 = never
 
 
 @dataclass
@@ -95,7 +100,8 @@ def check_multi_turn(multi_turn: Any) -> None:
 
 
 def check_endpoint(endpoint: Any) -> None:
-    """`multi_turn.endpoint`: an agent file and function that load, a port and limits in range."""
+    """`multi_turn.endpoint`: an agent file and function that load and take the endpoint's arguments, a port
+    that is free (a fixed one: tried here, on the driver's node) and limits in range."""
     key = f"{PREFIX}.endpoint"
     if endpoint.agent_path is None:
         raise ConfigError(f"{key}.enable=true needs {key}.agent_path: a Python file defining "
@@ -106,17 +112,66 @@ def check_endpoint(endpoint: Any) -> None:
         raise ConfigError(f"{key}.max_concurrent_episodes={endpoint.max_concurrent_episodes}; it must be >= 1")
     if not float(endpoint.episode_timeout_s) > 0:
         raise ConfigError(f"{key}.episode_timeout_s={endpoint.episode_timeout_s}; give a positive number of seconds")
+    if not 0 <= float(endpoint.max_failed_share) <= 1:
+        raise ConfigError(f"{key}.max_failed_share={endpoint.max_failed_share}; give a share in [0, 1] (1 = never stop)")
     load_agent(endpoint)
+    if int(endpoint.port):
+        with open_endpoint_socket(str(endpoint.host), int(endpoint.port)):
+            pass
+
+
+def check_endpoint_port(multi_turn: Any, ranks_per_node: int) -> None:
+    """A fixed `endpoint.port` serves one rollout rank per node: each rank runs its own endpoint for its own
+    episodes, and two on one node cannot listen on the same port (or, where the system lets them, an agent's
+    requests reach the other rank's endpoint, which does not know its episode)."""
+    endpoint = multi_turn.get("endpoint")
+    if not multi_turn.enable or endpoint is None or not endpoint.enable or not int(endpoint.port):
+        return
+    if ranks_per_node > 1:
+        raise ConfigError(f"{PREFIX}.endpoint.port={endpoint.port} is one port, but {ranks_per_node} rollout ranks on a "
+                          "node each serve their own episodes' endpoint; set it to 0 (a free port per rank, handed to "
+                          "the agent as base_url), or run one rollout rank per node")
+
+
+def open_endpoint_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a free port), as the endpoint listens on it; a port taken by
+    another process is a ConfigError naming the key."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            why, fix = ": another process holds it", "or stop what holds it"
+        else:
+            why, fix = "", f"and {PREFIX}.endpoint.host to an address of this machine (127.0.0.1: the agents run there)"
+        raise ConfigError(f"{PREFIX}.endpoint.port={port}: the agent endpoint cannot listen on {host}:{port} "
+                          f"({err.strerror or err}{why}); set {PREFIX}.endpoint.port=0 for a free port per rollout "
+                          f"rank, {fix}") from None
+    return sock
 
 
 def load_agent(endpoint: Any):
-    """The user's agent function (`endpoint.agent_path` / `agent_name`); errors name the keys."""
+    """The user's agent function (`endpoint.agent_path` / `agent_name`), which must take the endpoint's
+    `(base_url, episode_id, row)`; errors name the keys."""
     from hflow.utils.errors import UserError
     from hflow.utils.user_code import FileFunction
 
     try:
-        return FileFunction(str(endpoint.agent_path), str(endpoint.agent_name), config_key=f"{PREFIX}.endpoint")
+        agent = FileFunction(str(endpoint.agent_path), str(endpoint.agent_name), config_key=f"{PREFIX}.endpoint")
     except UserError as err:
         message = str(err).replace(f"{PREFIX}.endpoint.path", f"{PREFIX}.endpoint.agent_path").replace(
             f"{PREFIX}.endpoint.name", f"{PREFIX}.endpoint.agent_name")
         raise ConfigError(message) from None
+    try:
+        signature = inspect.signature(agent.function)
+    except (TypeError, ValueError):
+        return agent  # no signature to read (a builtin): its first call will tell
+    try:
+        signature.bind("http://127.0.0.1:8000/v1", "ep-0", {})
+    except TypeError as err:
+        raise ConfigError(f"{PREFIX}.endpoint.agent_name={endpoint.agent_name!r}: {agent.path} defines "
+                          f"{endpoint.agent_name}{signature}, which cannot be called as {endpoint.agent_name}(base_url, "
+                          f"episode_id, row) ({err}); give it those three arguments") from None
+    return agent

@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import json
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -39,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hflow.agent.chat import ToolMessageEncoder
+from hflow.agent.config import EPISODE_HEADER, open_endpoint_socket
+from hflow.agent.failures import check_agent_failures, describe_agent_error
 from hflow.agent.loop import Episode, TurnEngine, TurnResult
 from hflow.agent.parsers import ToolCallParser
 
 __all__ = ["Endpoint", "EndpointError", "EndpointServer", "run_external_agents"]
-
-EPISODE_HEADER = "X-Episode-Id"
 
 
 class EndpointError(Exception):
@@ -470,14 +469,7 @@ class EndpointServer:
         app.add_route("/v1/completions", completions, methods=["POST"])
         app.add_route("/v1/models", models, methods=["GET"])
 
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, int(port)))
-        except OSError as err:
-            self.socket.close()
-            raise RuntimeError(f"the agent endpoint cannot listen on {host}:{port} ({err}); set "
-                               "actor_rollout_ref.rollout.multi_turn.endpoint.port=0 for a free port") from None
+        self.socket = open_endpoint_socket(host, int(port))  # a port in use: a ConfigError naming the key
         self.base_url = f"http://{host}:{self.socket.getsockname()[1]}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                                     timeout_graceful_shutdown=2))
@@ -543,13 +535,15 @@ class _AgentRun:
                 self._serve(server.base_url)
             finally:  # whatever stopped the rollout, no request is left waiting
                 self.endpoint.abandon(list(self.in_engine.values()))
-        return [self._ended(record, state) for record, state in zip(self.records, self.agents)]
+        episodes = [self._ended(record, state) for record, state in zip(self.records, self.agents)]
+        check_agent_failures(episodes, [state.error for state in self.agents], self.config)
+        return episodes
 
     def _call(self, state: _Agent, base_url: str, row: Mapping[str, Any]) -> None:
         try:
             state.outcome = self.agent(base_url, state.episode_id, dict(row))
-        except BaseException as err:  # the agent's failure ends its episode, never the step
-            state.error = f"{type(err).__name__}: {err}"
+        except BaseException as err:  # the agent's failure ends its episode; too many of them end the run
+            state.error = describe_agent_error(err)
         finally:
             state.done = True
 
@@ -606,3 +600,4 @@ class _AgentRun:
         if not episode.assistant_turns:
             episode.problems.append("agent_no_turns")
         return episode
+

@@ -124,8 +124,8 @@ def check_reward_clip(algo) -> None:
 
 
 def check_distill_coefs(algo) -> None:
-    """`algorithm.distill`: the weights >= 0, beta in [0, 1], and something to learn from (the teacher itself
-    is the trainer's preflight's: `check_teacher`)."""
+    """`algorithm.distill`: the weights >= 0, beta in [0, 1], something to learn from, and no ReMax baseline
+    under a reward the baseline does not contain (the teacher itself: `check_teacher`)."""
     distill = algo.distill
     errors = ConfigErrors()
     errors.run(check_non_negative, distill.coef, "algorithm.distill.coef", "0: no distillation reward")
@@ -140,6 +140,17 @@ def check_distill_coefs(algo) -> None:
                           "algorithm.distill.task_reward_coef=0 leave no reward to learn from and no teacher to "
                           "follow; set algorithm.distill.coef or jsd_coef > 0 (with teacher.model.path) or "
                           "task_reward_coef > 0")
+    # ReMax's baseline is the task score of each prompt's greedy response, which is never distilled (the
+    # teacher scores the sampled responses only) nor weighted: returns and baseline would be on other scales.
+    mixed = float(distill.coef) > 0 or (float(distill.jsd_coef) > 0 and float(distill.task_reward_coef) != 1)
+    if algo.adv_estimator == "remax" and mixed:
+        raise ConfigError(
+            f"algorithm.adv_estimator=remax subtracts the task score of each prompt's greedy response, but the "
+            f"reward trained on is task_reward_coef x score + coef x the distillation reward (algorithm.distill.coef="
+            f"{float(distill.coef):g}, task_reward_coef={float(distill.task_reward_coef):g}), which that baseline "
+            "does not contain: the advantages would be biased by the distillation reward. Use adv_estimator=grpo, "
+            "rloo or gae with distillation, or distill with algorithm.distill.jsd_coef alone (coef=0, "
+            "task_reward_coef=1)")
 
 
 def check_turn_rewards(algo) -> None:

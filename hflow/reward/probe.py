@@ -1,4 +1,5 @@
-"""Try the run's reward before the run: a few validation rows, each with its ground truth as the response.
+"""Try the run's reward before the run: a few validation rows, each scored twice, with its ground truth and
+with a wrong answer (`WRONG_ANSWER`) as the response.
 
 A reward that cannot score (a file whose function raises, returns a string or takes too long, a remote
 scorer whose URL nothing answers) is otherwise found only after Ray, the models and a whole generation have
@@ -6,7 +7,8 @@ started, and on a remote scorer the advice to score failures 0 would train on no
 `probe_reward` instead: the same reward manager the trainer builds (`load_reward_manager`), the same
 scoring processes and timeout, the same result rules (`NaiveRewardManager.try_calls`), on
 `PROBE_ROWS` rows of `data.val_files`. A remote scorer is tried once per request, with at most
-`PROBE_REQUEST_TIMEOUT_S`, so a dead URL costs seconds, not its retries.
+`PROBE_REQUEST_TIMEOUT_S`, so a dead URL costs seconds, not its retries. Most generated responses are wrong:
+a reward that scores only right answers (None, a string or an exception otherwise) is found by the wrong one.
 
 With ``custom_reward_function.on_error=zero`` a local reward that fails on some rows (not all) only warns:
 the user accepted failing samples scored 0. Not probed: a reward model or a generative judge alone (a model, loaded later by its worker), and a
@@ -22,16 +24,17 @@ from omegaconf import DictConfig
 
 from hflow.utils.errors import ConfigError
 
-__all__ = ["PROBE_REQUEST_TIMEOUT_S", "PROBE_ROWS", "probe_reward"]
+__all__ = ["PROBE_REQUEST_TIMEOUT_S", "PROBE_ROWS", "WRONG_ANSWER", "probe_reward"]
 
 PROBE_ROWS = 4
 PROBE_REQUEST_TIMEOUT_S = 10.0
+WRONG_ANSWER = "I am not sure."  # a response that answers nothing, as many of a starting policy's do
 
 
 def probe_reward(config: DictConfig) -> int:
-    """Score `PROBE_ROWS` validation rows with their ground truth as the response; a ConfigError naming the
-    row, the reward and the reason when one cannot be scored. Returns the number of rows tried (0: not
-    probed)."""
+    """Score `PROBE_ROWS` validation rows with their ground truth and with `WRONG_ANSWER` as the response; a
+    ConfigError naming the row, the response, the reward and the reason when one cannot be scored. Returns the
+    number of rows tried (0: not probed)."""
     from hflow.reward.managers import NaiveRewardManager, load_reward_manager
 
     section = config.custom_reward_function
@@ -50,20 +53,24 @@ def probe_reward(config: DictConfig) -> int:
             manager.remote = copy.copy(manager.remote)
             manager.remote.max_retries = 0
             manager.remote.request_timeout_s = min(manager.remote.request_timeout_s, PROBE_REQUEST_TIMEOUT_S)
-        calls = [dict(data_source=row["data_source"], solution_str=str(row["ground_truth"]),
-                      ground_truth=row["ground_truth"], extra_info=row["extra_info"], **manager.reward_kwargs)
-                 for row in rows]
+        # each row with its ground truth, then each with the wrong answer
+        probes = [(index, response) for response in (None, WRONG_ANSWER) for index in range(len(rows))]
+        calls = [dict(data_source=rows[index]["data_source"],
+                      solution_str=str(rows[index]["ground_truth"]) if response is None else response,
+                      ground_truth=rows[index]["ground_truth"], extra_info=rows[index]["extra_info"],
+                      **manager.reward_kwargs) for index, response in probes]
         results = manager.try_calls(calls)
     finally:
         manager.close()
-    failed = [index for index, result in enumerate(results) if isinstance(result, str)]
+    failed = [i for i, result in enumerate(results) if isinstance(result, str)]
     if not failed:
         return len(rows)
-    first = _failure(config, path, failed[0], rows[failed[0]], results[failed[0]])
-    if section.on_error == "zero" and len(failed) < len(rows) and not section.url:
+    index, response = probes[failed[0]]
+    first = _failure(config, path, index, rows[index], response, results[failed[0]])
+    if section.on_error == "zero" and len(failed) < len(probes) and not section.url:
         # the user accepts failing samples scored 0; a reward that fails on every row would train on nothing
-        print(f"reward probe: warning: {len(failed)} of {len(rows)} rows failed (on_error=zero scores such samples 0); "
-              f"the first: {first}", flush=True)
+        print(f"reward probe: warning: {len(failed)} of {len(probes)} tries failed (on_error=zero scores such samples "
+              f"0); the first: {first}", flush=True)
         return len(rows)
     raise ConfigError(first)
 
@@ -82,16 +89,19 @@ def _probe_rows(path: str, reward_fn_key: str) -> list[dict[str, Any]]:
             if isinstance(row["reward_model"], dict) and "ground_truth" in row["reward_model"]]
 
 
-def _failure(config: DictConfig, path: str, index: int, row: dict[str, Any], reason: str) -> str:
+def _failure(config: DictConfig, path: str, index: int, row: dict[str, Any], response: str | None,
+             reason: str) -> str:
+    """The message for row `index` scored with `response` (None: its ground truth) failing with `reason`."""
     section = config.custom_reward_function
     reason = " ".join(reason.strip().splitlines()[-1:]) if "Traceback" in reason else " ".join(reason.split())
-    where = (f"row {index} of {path} (data_source={row['data_source']!r}), scored with its ground truth "
-             f"{str(row['ground_truth'])[:60]!r} as the response")
+    scored_with = (f"its ground truth {str(row['ground_truth'])[:60]!r}" if response is None else
+                   f"a wrong answer {response!r}")
+    where = f"row {index} of {path} (data_source={row['data_source']!r}), scored with {scored_with} as the response"
     if section.url:
         return (f"custom_reward_function.url={section.url}: the reward was tried before the run on {where} and "
                 f"failed: {reason}. Start the scoring service (or fix the URL); nothing has started yet")
     label = f"custom_reward_function.path={section.path} (.name={section.name})" if section.path else \
         "the built-in scorer of that data_source"
     return (f"{label}: the reward was tried before the run on {where} and failed: {reason}. Fix the function "
-            "so that it returns a number (or a dict with a 'score' key) within custom_reward_function.timeout_s; "
-            "nothing has started yet")
+            "so that it returns a number (or a dict with a 'score' key) for any response, right or wrong, within "
+            "custom_reward_function.timeout_s; nothing has started yet")

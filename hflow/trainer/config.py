@@ -9,6 +9,8 @@ comments in `config/*.yaml`, which mirror them key for key (`tests/test_config_s
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -246,6 +248,7 @@ def check_run(trainer: Any) -> None:
         except ValueError as err:
             raise ConfigError(str(err)) from None
     errors.run(check_resume, trainer)
+    errors.run(check_output_dirs, trainer)
     with errors.catch():
         if trainer.total_training_steps is None and int(trainer.total_epochs) < 1:
             raise ConfigError("set trainer.total_epochs >= 1 or trainer.total_training_steps")
@@ -258,6 +261,50 @@ def check_run(trainer: Any) -> None:
                 raise ConfigError(f"trainer.{key} must be a number of step folders >= 1, or null to keep all, "
                                   f"got {trainer[key]}")
     errors.raise_any()
+
+
+def check_output_dirs(trainer: Any) -> None:
+    """The folders the run writes, each one it can make and write here: the checkpoints' (saved, or looked in
+    for one to resume: the trainer makes it), the logs' (jsonl, tensorboard) and a supervised stage's exported
+    model (written after the last step: a run would otherwise train to the end and lose it)."""
+    keys = []
+    if int(trainer.save_freq) > 0 or trainer.resume_mode != "disable":
+        keys.append("default_local_dir")
+    logger = trainer.logger
+    if {"jsonl", "tensorboard"} & set([logger] if isinstance(logger, str) else list(logger or [])):
+        keys.append("log_dir")
+    if "hf_output_dir" in trainer:
+        keys.append("hf_output_dir")
+    errors = ConfigErrors()
+    for key in keys:
+        errors.run(check_output_dir, trainer[key], f"trainer.{key}")
+    errors.raise_any()
+
+
+def check_output_dir(path: Any, key: str) -> None:
+    """`path` is a folder, or one this process can make: its missing part is made (and removed) inside a
+    temporary folder of its nearest existing parent, which tries permissions, read-only file systems and the
+    names themselves without leaving anything behind."""
+    folder = Path(str(path)).expanduser().absolute()
+    parent = folder
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{key}={path}: {parent} is a file, not a folder, so the run cannot make its folder there; "
+                          f"point {key} elsewhere")
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".hflow_write_probe_", dir=parent))
+    except OSError as err:
+        raise ConfigError(f"{key}={path}: the run cannot write in {parent} ({err.strerror or err}); point {key} at "
+                          "a folder this user can write") from None
+    try:
+        if folder != parent:
+            (probe / folder.relative_to(parent)).mkdir(parents=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}={path}: the folder cannot be made in {parent} ({getattr(err, 'strerror', None) or err}); "
+                          f"point {key} at a folder this user can write") from None
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def check_ray_init(ray_init: Any) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hflow.agent.config import check_multi_turn
+from hflow.agent.config import check_endpoint_port, check_multi_turn
 from hflow.algorithms import core_algos
 from hflow.algorithms.config import (
     GROUP_ESTIMATORS,
@@ -45,6 +45,7 @@ from hflow.trainer.config import (
     check_reward_audit,
     check_run,
     check_world,
+    placement_pools,
 )
 from hflow.reward.dynamic_sampling import check_dapo_config
 from hflow.reward.probe import probe_reward
@@ -225,12 +226,16 @@ def check_rollout_n(rollout: DictConfig) -> None:
 
 def check_placement_and_batches(config: DictConfig) -> None:
     """`trainer.placement` and the node's resources, then the training batch, the actor's (and critic's)
-    mini- and micro-batches and the tensor-parallel groups against the ranks the placement gives."""
+    mini- and micro-batches, the tensor-parallel groups and the agent endpoint's port against the ranks the
+    placement gives."""
     data, arr, trainer = config.data, config.actor_rollout_ref, config.trainer
     rollout, n = arr.rollout, int(arr.rollout.n)
     batch = int(data.train_batch_size)
     tp = int(rollout.tensor_model_parallel_size)
     world, rollout_world = check_placement(trainer, rollout.name, tp, batch, n)
+    train_nodes, rollout_nodes = placement_pools(int(trainer.nnodes), int(trainer.n_gpus_per_node), trainer.placement,
+                                                 int(trainer.rollout_n_gpus))
+    check_endpoint_port(rollout.multi_turn, max(rollout_nodes or train_nodes))  # a fixed port: one rollout rank per node
     check_node_resources(config)
     check_train_batch(batch, n, world)
     check_update_batches(arr.actor, batch, n, world, "actor_rollout_ref.actor", "actor_rollout_ref.rollout.n")

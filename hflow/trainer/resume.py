@@ -34,10 +34,18 @@ def write_model_origin(step_dir: str | Path, model_paths: dict[str, str]) -> Non
 
 def check_resume_origin(step_dir: Path | None, role: str, model_key: str, model_path: str | None) -> str | None:
     """The checkpoint in `step_dir` (None: nothing to resume) against the model `model_key`=`model_path` that
-    the run names for `role`: a ConfigError naming both and the keys that choose when their shapes differ;
-    else the line to print about what is resumed (None when there is nothing to say)."""
+    the run names for `role`: a ConfigError naming both and the keys that choose when their shapes differ, or
+    when the step holds no checkpoint of `role`; else the line to print about what is resumed (None when
+    there is nothing to say)."""
     if step_dir is None or model_path is None:
         return None
+    if not (Path(step_dir) / role).is_dir():  # another kind of run's folder: GRPO's has no critic, PPO's no model
+        held = sorted(p.name for p in Path(step_dir).iterdir() if p.is_dir()) if Path(step_dir).is_dir() else []
+        raise ConfigError(
+            f"trainer.resume_mode would resume {step_dir}, which holds no {role!r} checkpoint (it holds "
+            f"{', '.join(map(repr, held)) or 'nothing'}): another kind of run wrote it, and this one needs its "
+            f"{role}. Give the run its own folder (a new trainer.experiment_name or trainer.default_local_dir), or "
+            "set trainer.resume_mode=disable to start from the models the run names")
     saved_config = _read_json(Path(step_dir) / role / "huggingface" / "config.json")
     new_config = _read_json(Path(str(model_path)).expanduser() / "config.json")
     saved_path = (_read_json(Path(step_dir) / ORIGIN_FILE) or {}).get(role)

@@ -36,7 +36,7 @@ def check_stage_config(config: DictConfig, stage: str) -> None:
     """Impossible settings of a supervised stage, before Ray starts or any model loads; the errors of the
     independent checks together (`ConfigErrors`), a check that reads what an earlier one vouches for
     (the resumed checkpoint's model, the tokenizer of the model folder, the ranks) only when that passed."""
-    from hflow.trainer.config import check_resume
+    from hflow.trainer.config import check_output_dirs, check_resume
     from hflow.trainer.preflight import check_node_resources
     from hflow.utils.dataset.config import check_data_files
     from hflow.workers.config import check_model_path, check_tokenizer_path
@@ -76,6 +76,7 @@ def check_stage_config(config: DictConfig, stage: str) -> None:
             check_backends(trainer.logger)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    errors.run(check_output_dirs, trainer)
     errors.run(check_data_files, data.train_files, "data.train_files")
     errors.run(check_data_files, data.val_files, "data.val_files")
     model_ok = errors.run(check_model_path, config.model.path, "model.path")

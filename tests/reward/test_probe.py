@@ -14,7 +14,7 @@ from omegaconf import open_dict
 
 from hflow.config_schema import ConfigError
 from hflow.trainer.config import default_config
-from hflow.reward.probe import PROBE_ROWS, probe_reward
+from hflow.reward.probe import PROBE_ROWS, WRONG_ANSWER, probe_reward
 
 GOOD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -23,6 +23,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 RETURNS_NONE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return None
+"""
+NONE_WHEN_WRONG = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str.strip() == str(ground_truth) else None
 """
 RETURNS_A_STRING = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -48,7 +52,7 @@ def files(tmp_path_factory) -> Path:
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
             for i in range(10)]
     pq.write_table(pa.Table.from_pylist(rows), root / "val.parquet")
-    for name, text in (("good", GOOD), ("none", RETURNS_NONE), ("string", RETURNS_A_STRING), ("slow", SLOW), ("batch", BATCH_RETURNS_ONE)):
+    for name, text in (("good", GOOD), ("none", RETURNS_NONE), ("none_when_wrong", NONE_WHEN_WRONG), ("string", RETURNS_A_STRING), ("slow", SLOW), ("batch", BATCH_RETURNS_ONE)):
         (root / f"{name}.py").write_text(text)
     return root
 
@@ -84,6 +88,19 @@ def test_a_reward_that_returns_a_string_stops_naming_the_row_and_the_value(files
 def test_a_reward_that_returns_none_stops_in_preflight(files):
     with pytest.raises(ConfigError, match="row 0 of .*returned None"):
         probe_reward(config_for(files, path=str(files / "none.py")))
+
+
+def test_a_reward_that_scores_only_right_answers_stops_naming_the_wrong_one(files, capsys):
+    """Issue 53: most generated responses are wrong; a reward that returns None for them passes a probe with the
+    ground truth alone and fails only after generation. With on_error=zero (failures scored 0) it only warns."""
+    with pytest.raises(ConfigError) as error:
+        probe_reward(config_for(files, path=str(files / "none_when_wrong.py")))
+    message = str(error.value)
+    for words in ("row 0 of", f"scored with a wrong answer {WRONG_ANSWER!r} as the response", "returned None",
+                  "for any response, right or wrong"):
+        assert words in message, (words, message)
+    assert probe_reward(config_for(files, path=str(files / "none_when_wrong.py"), on_error="zero")) == PROBE_ROWS
+    assert f"{PROBE_ROWS} of {2 * PROBE_ROWS} tries failed" in capsys.readouterr().out
 
 
 def test_a_reward_past_its_timeout_stops_in_its_time(files):

@@ -128,9 +128,12 @@ def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path
 
 def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
     reward = tmp_path / "my_reward.py"
-    # None for anything but the exact answer: the preflight probe (ground truth as the response) passes, and
-    # the run fails on a generated response (an always-None reward stops in preflight: tests/reward/test_probe.py)
+    # None for a wrong number only: the preflight probe (the ground truth, and a wrong answer in words) passes, and
+    # the run fails on a generated response (the built-in model answers one too high); a reward that returns None
+    # for every wrong answer stops in preflight (reward-none-on-wrong-answers below, tests/reward/test_probe.py)
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if not solution_str.strip().isdigit():\n"
+                      "        return 0.0\n"
                       "    return 1.0 if solution_str.strip() == str(ground_truth) else None\n")
     # the built-in task and model; the first validation's first sample fails
     code, output, _ = main_ppo(tmp_path, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}")
@@ -160,6 +163,11 @@ def _reward_returning_a_string(root: Path) -> str:
                               "    return 'yes'\n")
 
 
+def _reward_none_when_wrong(root: Path) -> str:
+    return _reward_file(root, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                              "    return 1.0 if solution_str.strip() == str(ground_truth) else None\n")
+
+
 def _dead_url(root: Path) -> list[str]:
     import socket
 
@@ -175,6 +183,9 @@ _BAD_INPUTS = [
      ["custom_reward_function.url=http://127.0.0.1:", "row 0", "Start the scoring service"]),
     ("reward-returning-a-string", lambda root: [f"custom_reward_function.path={_reward_returning_a_string(root)}"],
      ["my_reward.py", "row 0", "returned 'yes'"]),
+    # issue 53: a reward that scores right answers only, tried with a wrong one too
+    ("reward-none-on-wrong-answers", lambda root: [f"custom_reward_function.path={_reward_none_when_wrong(root)}"],
+     ["my_reward.py", "row 0", "scored with a wrong answer", "returned None", "right or wrong"]),
     ("reward-file-syntax-error", _reward_file_with_syntax_error,
      ["custom_reward_function.path", "my_reward.py", "SyntaxError"]),
     ("reward-function-not-in-file", _reward_function_not_in_file,

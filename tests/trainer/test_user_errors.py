@@ -29,6 +29,7 @@ PPO, SFT, RM = "hflow.trainer.main_ppo", "hflow.trainer.main_sft", "hflow.traine
 DPO = "hflow.trainer.main_dpo"
 GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn.enable=true"
+ENDPOINT = "actor_rollout_ref.rollout.multi_turn.endpoint"
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +61,25 @@ def files(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "config.json").write_text(config_text)
         (root / name / "model.safetensors").symlink_to(model / "model.safetensors")
-    from hflow.tasks.tiny_models import build_causal_lm
+    from hflow.tasks.tiny_models import build_causal_lm, build_token_classification
 
     build_causal_lm(root / "other_vocab", preset="tiny", seed=0, tokenizer_kwargs={"vocab_size": 384})  # a teacher
     (root / "teacher").symlink_to(assets.model_path)  # a teacher with the student's vocabulary (the student)
     (root / "reward_signature.py").write_text("def compute_score(solution_str):\n    return 1.0\n")
     (root / "checkpoints" / "global_step_5").mkdir(parents=True)  # a save that died: no data/state.pt
+    build_token_classification(root / "reward_model", preset="tiny", seed=0)  # a value / reward model's folder
+    (root / "a_file").write_text("not a folder\n")
+    grpo_step = root / "grpo_run" / "global_step_1"  # what a GRPO run leaves: the actor's checkpoint, no critic
+    (grpo_step / "actor" / "huggingface").mkdir(parents=True)
+    (grpo_step / "actor" / "huggingface" / "config.json").write_text((model / "config.json").read_text())
+    (grpo_step / "data").mkdir()
+    (grpo_step / "data" / "state.pt").write_bytes(b"")
+    (root / "grpo_run" / "latest_checkpointed_iteration.txt").write_text("1")
+    all_pairs = pq.read_table(stages.rm_train).to_pylist()  # enough rows for a batch: only the empty reply is wrong
+    pq.write_table(pa.Table.from_pylist([{**row, "chosen": ""} if i == 3 else row for i, row in enumerate(all_pairs)]),
+                   root / "dpo_empty_chosen.parquet")
+    (root / "agent.py").write_text("def run_episode(base_url, episode_id, row):\n    return None\n")
+    (root / "agent_two_arguments.py").write_text("def run_episode(base_url, row):\n    return None\n")
     (root / "my_tools.py").write_text("def lookup(query: str) -> str:\n    return query\n")
     (root / "bad_tools.yaml").write_text(
         "tools:\n  - function: my_tools.py:search\n    tool_schema:\n      type: function\n      function:\n"
@@ -138,6 +152,20 @@ CASES = [
     ("unknown-judge-parser", PPO, ["reward_model.enable=true", "reward_model.model.path={files}/no_tokenizer",
                                    "reward_model.style=generative", "reward_model.judge.parser=grade"],
      ["reward_model.judge.parser='grade'", "yes_no"]),
+    # the run's folders (issue 53): another kind of run's checkpoint, folders that cannot be made
+    ("gae-resumed-into-a-grpo-folder", PPO, ["algorithm.adv_estimator=gae", "trainer.default_local_dir={files}/grpo_run"],
+     ["would resume {files}/grpo_run/global_step_1", "no 'critic' checkpoint (it holds 'actor', 'data')",
+      "trainer.experiment_name", "trainer.resume_mode=disable"]),
+    ("dpo-resumed-into-a-ppo-folder", DPO, ["trainer.default_local_dir={files}/grpo_run"],
+     ["would resume {files}/grpo_run/global_step_1", "no 'model' checkpoint", "trainer.resume_mode=disable"]),
+    ("checkpoint-folder-under-a-file", PPO, ["trainer.default_local_dir={files}/a_file/checkpoints"],
+     ["trainer.default_local_dir={files}/a_file/checkpoints", "{files}/a_file is a file"]),
+    ("checkpoint-folder-read-only", PPO, ["trainer.default_local_dir=/sys/hflow_checkpoints"],  # root cannot write /sys
+     ["trainer.default_local_dir=/sys/hflow_checkpoints", "cannot write in /sys", "a folder this user can write"]),
+    ("checkpoint-folder-name-too-long", PPO, ["trainer.default_local_dir=checkpoints/" + "x" * 300],
+     ["trainer.default_local_dir=checkpoints/xxx", "cannot be made", "name too long"]),
+    ("dpo-model-folder-read-only", DPO, ["trainer.hf_output_dir=/sys/hflow_model"],
+     ["trainer.hf_output_dir=/sys/hflow_model", "cannot write in /sys"]),
     # on-policy distillation's teacher
     ("distill-without-teacher", PPO, ["algorithm.distill.coef=0.5"],
      ["algorithm.distill.coef=0.5", "teacher.model.path is null"]),
@@ -157,6 +185,11 @@ CASES = [
     ("jsd-with-fused-head", PPO, ["algorithm.distill.jsd_coef=1", "teacher.model.path={files}/teacher",
                                   "actor_rollout_ref.model.fused_lm_head=true"],
      ["algorithm.distill.jsd_coef > 0", "actor_rollout_ref.model.fused_lm_head=true"]),
+    ("teacher-is-a-reward-model", PPO, ["algorithm.distill.coef=1", "teacher.model.path={files}/reward_model"],
+     ["teacher.model.path={files}/reward_model", "is a Qwen2ForTokenClassification", "random", "(*ForCausalLM)"]),
+    ("distill-with-remax", PPO, ["algorithm.adv_estimator=remax", "algorithm.distill.coef=1",
+                                 "teacher.model.path={files}/teacher"],
+     ["algorithm.adv_estimator=remax", "greedy response", "algorithm.distill.coef=1", "adv_estimator=grpo"]),
     ("teacher-topk-above-vocabulary", PPO, ["algorithm.distill.jsd_coef=1", "teacher.model.path={files}/teacher",
                                             "teacher.topk=100000"], ["teacher.topk=100000", "tokens"]),
     # multi-turn agent rollouts
@@ -170,6 +203,12 @@ CASES = [
      ["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", ">= 1"]),
     ("bad-truncate-side", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"],
      ["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side='top'", "middle"]),
+    ("agent-with-another-signature", PPO, [MULTI_TURN, f"{ENDPOINT}.enable=true",
+                                           f"{ENDPOINT}.agent_path={{files}}/agent_two_arguments.py"],
+     [f"{ENDPOINT}.agent_name='run_episode'", "agent_two_arguments.py defines run_episode(base_url, row)",
+      "run_episode(base_url, episode_id, row)", "give it those three arguments"]),
+    ("agent-failed-share-above-one", PPO, [MULTI_TURN, f"{ENDPOINT}.enable=true", f"{ENDPOINT}.agent_path={{files}}/agent.py",
+                                           f"{ENDPOINT}.max_failed_share=2"], [f"{ENDPOINT}.max_failed_share=2", "[0, 1]"]),
     # the supervised stages
     ("sft-zero-batch", SFT, ["data.train_batch_size=0"], ["data.train_batch_size", "positive"]),
     ("sft-negative-micro-batch", SFT, ["data.micro_batch_size_per_gpu=-2"], ["data.micro_batch_size_per_gpu"]),
@@ -191,6 +230,8 @@ CASES = [
      ["rm_no_rejected.parquet", "'rejected'", "data.rejected_key"]),
     ("dpo-identical-pairs", DPO, ["data.train_files={files}/dpo_identical.parquet"],
      ["dpo_identical.parquet", "2 of 20 rows", "identical (rows 4, 9)"]),
+    ("dpo-empty-chosen", DPO, ["data.train_files={files}/dpo_empty_chosen.parquet"],
+     ["data.train_files", "dpo_empty_chosen.parquet row 3 column 'chosen'", "the reply is empty"]),
     ("dpo-zero-beta", DPO, ["dpo.beta=0"], ["dpo.beta", "> 0"]),
     ("dpo-unknown-loss", DPO, ["dpo.loss_type=hinge"], ["dpo.loss_type", "ipo"]),
     ("dpo-smoothing-with-ipo", DPO, ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"],
@@ -236,6 +277,30 @@ def test_a_bad_input_ends_with_one_line_naming_it_before_anything_starts(files, 
         assert text.format(files=files) in last, (text, last)
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+def test_a_fixed_endpoint_port_in_use_or_shared_by_two_ranks_ends_naming_the_key(files, tmp_path, monkeypatch, capsys):
+    """The agent endpoint's `port`: one that another process listens on, and one that the default two rollout
+    ranks (trainer.n_gpus_per_node=2, colocated) would both listen on."""
+    import socket
+
+    endpoint = [*GRPO, MULTI_TURN, f"{ENDPOINT}.enable=true", f"{ENDPOINT}.agent_path={files}/agent.py"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, output, stderr = run_in_process(PPO, [*endpoint, f"{ENDPOINT}.port={port}", "trainer.n_gpus_per_node=1"],
+                                              tmp_path, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    for words in ("hflow: error: ", f"{ENDPOINT}.port={port}", f"cannot listen on 127.0.0.1:{port}", f"{ENDPOINT}.port=0"):
+        assert words in last, (words, last)
+    # (the port is free again now)
+    code, output, stderr = run_in_process(PPO, [*endpoint, f"{ENDPOINT}.port={port}"], tmp_path, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    for words in ("hflow: error: ", f"{ENDPOINT}.port={port} is one port", "2 rollout ranks on a node", "set it to 0"):
+        assert words in last, (words, last)
 
 
 def test_each_entry_point_ends_a_bad_run_with_the_message_alone(files, tmp_path):

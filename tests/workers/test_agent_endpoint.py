@@ -188,6 +188,7 @@ def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_toke
 
     monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
     monkeypatch.setitem(endpoint_rollout.multi_turn.endpoint, "episode_timeout_s", 5.0)
+    monkeypatch.setitem(endpoint_rollout.multi_turn.endpoint, "max_failed_share", 1.0)  # most rows send nothing
     release = threading.Event()
     try:
         output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
@@ -296,3 +297,54 @@ def test_a_vault_episode_through_the_endpoint_is_scored_by_the_agents_verdict(en
     output = endpoint_rollout.generate_sequences(prompts)
     assert sum(e["ended"] == "agent_done" for e in output.non_tensor_batch["episode"][:n]) >= 2
     assert NaiveRewardManager(tiny_tokenizer, 0, timeout_s=None)(output).sum() == 0
+
+
+def test_an_agent_that_raises_or_never_calls_stops_the_run_naming_it(endpoint_rollout, tiny_tokenizer, monkeypatch):
+    """Issue 53: every episode failed in the agent gives no token to train on (zero loss, zero gradient): the
+    rollout stops with the agent's own error and line, or with what a silent agent must do; a share the user
+    accepts (`max_failed_share`) lets the same episodes through, each ended as it failed."""
+    from hflow.agent.failures import AgentFailureError
+    from hflow.utils.errors import UserError
+
+    def raises(base_url, episode_id, row):
+        raise ValueError(f"my agent has no tool for {row['data_source']}")
+
+    def never_calls(base_url, episode_id, row):  # e.g. talks to another URL, or gives up at once
+        return 1.0
+
+    prompts, key = prompts_with_rows(tiny_tokenizer), "actor_rollout_ref.rollout.multi_turn.endpoint"
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", raises)
+    with pytest.raises(AgentFailureError) as error:
+        endpoint_rollout.generate_sequences(prompts)
+    assert isinstance(error.value, UserError)  # the entry point prints the message alone (hflow: error:)
+    line = raises.__code__.co_firstlineno + 1
+    for words in (f"{key}: 12 of 12 episodes of this rollout failed", f"{key}.max_failed_share=0.5",
+                  "12 raised in the agent function run_episode of", "the first (sample 0 of this batch): ValueError: "
+                  f"my agent has no tool for test ({__file__} line {line})", "raise max_failed_share"):
+        assert words in str(error.value), (words, str(error.value))
+
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", never_calls)
+    with pytest.raises(AgentFailureError) as error:
+        endpoint_rollout.generate_sequences(prompts)
+    for words in ("12 of 12 episodes", "12 ended without a sampled turn", "base_url", "X-Episode-Id"):
+        assert words in str(error.value), (words, str(error.value))
+
+    monkeypatch.setitem(endpoint_rollout.multi_turn.endpoint, "max_failed_share", 1.0)
+    episodes = endpoint_rollout.generate_sequences(prompts).non_tensor_batch["episode"]
+    assert [(e["ended"], e["num_turns"]) for e in episodes] == [("agent_done", 0)] * 12
+
+
+def test_an_endpoint_port_in_use_in_the_worker_is_a_user_error_naming_the_key():
+    """Taken after preflight tried it (another run started): the worker's error is the user's, one sentence."""
+    import socket
+
+    from hflow.agent.endpoint import EndpointServer
+    from hflow.utils.errors import ConfigError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"multi_turn\.endpoint\.port={port}: the agent endpoint cannot listen on "
+                                              rf"127\.0\.0\.1:{port} .*endpoint\.port=0"):
+            EndpointServer(None, "127.0.0.1", port)

@@ -17,7 +17,7 @@ exactly the token layout it scores in PPO, and the SFT policy learns to stop whe
   ending with the assistant's reply (after the prompt column if there is one and they do not already
   start with it; without it the messages before the reply are the prompt, and must be the same in both). A row is two sequences, chosen first,
   with ``loss_mask`` on the reply's tokens (what DPO's log-probabilities sum over). Rows whose two replies
-  are identical stop the run, counted and named: they carry no preference.
+  are identical stop the run, counted and named: they carry no preference; so does an empty reply.
 """
 
 from __future__ import annotations
@@ -293,6 +293,10 @@ class DPODataset(Dataset):
             where = f"{path} row {i}"
             context, chosen_reply = self._conversation(prompt, chosen, f"{where} column {cfg.chosen_key!r}", cfg)
             other, rejected_reply = self._conversation(prompt, rejected, f"{where} column {cfg.rejected_key!r}", cfg)
+            for key, reply in ((cfg.chosen_key, chosen_reply), (cfg.rejected_key, rejected_reply)):
+                if not reply.strip():  # only the end-of-turn token to compare: a pair of nothing
+                    raise DataError(f"{files_key}: {path} row {i} column {key!r}: the reply is empty; a pair needs "
+                                    "two replies with text: remove the row or fill in its reply")
             if other != context:
                 raise DataError(f"{where}: the conversation before the reply differs between {cfg.chosen_key!r} and "
                                 f"{cfg.rejected_key!r}; a pair is two replies to the same prompt")

@@ -7,7 +7,9 @@ token ids as they are, so the two vocabularies must map the same text to the sam
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
@@ -65,6 +67,7 @@ def check_teacher(config: Any) -> None:
                           "algorithm.distill.jsd_coef=0, so nothing uses the teacher; set one of them > 0, or "
                           "teacher.model.path=null")
     check_model_path(teacher.model.path, "teacher.model.path")
+    check_teacher_head(teacher.model.path)
     check_tokenizer_path(teacher.model, "teacher.model")
     if not teacher.log_prob_use_dynamic_bsz:
         check_positive(teacher.log_prob_micro_batch_size_per_gpu, "teacher.log_prob_micro_batch_size_per_gpu")
@@ -75,6 +78,22 @@ def check_teacher(config: Any) -> None:
         raise ConfigError("algorithm.distill.jsd_coef > 0 compares the student's distribution with the teacher's, "
                           "which needs the student's logits, and actor_rollout_ref.model.fused_lm_head=true never "
                           "builds them; set fused_lm_head=false, or algorithm.distill.jsd_coef=0")
+
+
+# Heads that score text instead of predicting the next token. Loaded as a causal LM, such a folder gets a
+# freshly initialised LM head (transformers only warns), and the student is distilled towards its noise.
+SCORE_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def check_teacher_head(path: Any) -> None:
+    """The teacher's folder is a causal LM, not a reward or value model (read from its config.json)."""
+    architectures = json.loads((Path(str(path)).expanduser() / "config.json").read_text()).get("architectures") or []
+    scorers = [str(name) for name in architectures if str(name).endswith(SCORE_HEADS)]
+    if scorers:
+        raise ConfigError(f"teacher.model.path={path} is a {scorers[0]} (a reward or value model: a score head, no "
+                          "language-model head); loaded as the teacher its LM head would be random and the student "
+                          "would be distilled towards noise. Point teacher.model.path at a causal LM "
+                          "(*ForCausalLM) that shares the student's tokenizer")
 
 
 def check_teacher_vocab(config: Any) -> None:
