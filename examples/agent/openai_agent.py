@@ -27,6 +27,19 @@ def calculator(expression: str) -> str:
         return f"Error: {err}"
 
 
+TOOLS = {"calculator": calculator}  # the agent's own tools, by the name the model calls
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """The result of one tool call, or an error the model reads in the tool message."""
+    if name not in TOOLS:
+        return f"Error: unknown tool {name!r}; the tools are {sorted(TOOLS)}"
+    try:
+        return TOOLS[name](**json.loads(arguments))
+    except (TypeError, json.JSONDecodeError) as err:
+        return f"Error: {err}"
+
+
 def run_episode(base_url: str, episode_id: str, row: dict):
     """One episode of `row` (its `prompt` messages, the `tools` its prompt was rendered with, its
     `extra_info`, ...). The return value, if any, is a reward on the episode's last sampled token, or a
@@ -45,9 +58,6 @@ def run_episode(base_url: str, episode_id: str, row: dict):
         if choice.finish_reason != "tool_calls":
             return None
         for call in choice.message.tool_calls:
-            try:
-                result = calculator(**json.loads(call.function.arguments))
-            except (TypeError, json.JSONDecodeError) as err:
-                result = f"Error: {err}"
+            result = run_tool(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None

@@ -26,15 +26,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURES = ("exact_correct", "house_style", "true_score", "rm_score")
+PIPELINE_ENV = {"RLHF_SFT_EPOCHS": "6", "RLHF_RM_EPOCHS": "1", "RLHF_PPO_STEPS": "4",
+                # one process per stage, HF generation: the same trainers without starting Ray and vLLM three times
+                "RLHF_PLACEMENT_ARGS": "trainer.backend=local trainer.n_gpus_per_node=1",
+                "RLHF_PPO_ARGS": "actor_rollout_ref.rollout.name=hf"}
 
 
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("rlhf_pipeline")
-    env = {**os.environ, "RLHF_SFT_EPOCHS": "6", "RLHF_RM_EPOCHS": "1", "RLHF_PPO_STEPS": "4",
-           # one process per stage, HF generation: the same trainers without starting Ray and vLLM three times
-           "RLHF_PLACEMENT_ARGS": "trainer.backend=local trainer.n_gpus_per_node=1",
-           "RLHF_PPO_ARGS": "actor_rollout_ref.rollout.name=hf"}
+    env = {**os.environ, **PIPELINE_ENV}
     run = subprocess.run(["bash", str(ROOT / "examples/rlhf_pipeline/run.sh"), str(out), "1"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

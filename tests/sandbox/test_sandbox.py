@@ -1,9 +1,12 @@
 """LocalSandbox: the escapes a model would try, each contained and reported, with the test process unharmed.
 
 Where a guarantee depends on what the kernel allows (namespaces), the test asks `sandbox_capabilities()`;
-on the development machine (Linux 6.18, root) everything is in force. The section "namespaces refused"
-runs the same escapes with the launcher under a seccomp filter that makes unshare(2) fail with EPERM, as
-Docker's default profile does (`no_namespaces.py`): the sandbox must refuse them, not run them unisolated.
+on the development machine (Linux 6.18, root) everything is in force. On a machine that refuses namespaces
+each isolation test checks the refusal instead (`isolated_result`: the sandbox refuses the test's own escape,
+names what is missing and runs none of it), so no isolation test skips on either kind of machine:
+bench/results/sandbox_no_namespaces.md runs them both ways. The section "namespaces refused" runs the same
+escapes with the launcher under a seccomp filter that makes unshare(2) fail with EPERM, as Docker's default
+profile does (`no_namespaces.py`), on any machine: the sandbox must refuse them, not run them unisolated.
 """
 
 import json
@@ -93,6 +96,30 @@ def processes_mentioning(text: str) -> list[int]:
 
 def run(code: str, limits: SandboxLimits = LIMITS, stdin: str = "") -> SandboxResult:
     return LocalSandbox(limits).run(textwrap.dedent(code), stdin=stdin)
+
+
+def assert_refused_not_run(code: str, missing: list[str], mark_dir: Path, limits: SandboxLimits = LIMITS) -> None:
+    """The sandbox (unisolated runs not allowed) refuses `code`: a sandbox_error that names each of `missing`
+    and the ways out, and not even a first line that leaves a mark in `mark_dir` ran."""
+    mark = mark_dir / f"ran-{uuid.uuid4().hex}"
+    result = LocalSandbox(limits, allow_unisolated=False).run(
+        f"open({str(mark)!r}, 'w').write('ran')\n" + textwrap.dedent(code))
+    assert (result.status, result.exit_code, result.stdout) == ("sandbox_error", None, ""), result
+    assert result.stderr.startswith("the local sandbox cannot isolate model-written code"), result
+    assert all(isolation.REQUIRED_ISOLATION[key] in result.stderr for key in missing), (missing, result.stderr)
+    assert "sandbox.allow_unisolated=true" in result.stderr
+    assert not mark.exists()
+
+
+def isolated_result(caps: dict, code: str, mark_dir: Path, limits: SandboxLimits = LIMITS) -> SandboxResult | None:
+    """`code`'s result where this machine gives the sandbox the isolation it requires, for the test to check
+    that isolation. Where the machine refuses namespaces, that the sandbox refuses `code` instead (checked
+    here), and None: what the test claims then is the refusal, not a skip."""
+    missing = isolation.missing_isolation(caps, network=limits.network)
+    if not missing:
+        return run(code, limits)
+    assert_refused_not_run(code, missing, mark_dir, limits)
+    return None
 
 
 # ---- normal paths --------------------------------------------------------------------------------
@@ -219,9 +246,7 @@ def test_fork_bomb_is_contained_and_leaves_no_process(caps, own_tmpdir, bomb):
     assert processes_mentioning(str(own_tmpdir)) == []
 
 
-def test_detached_daemon_does_not_outlive_the_run(caps, own_tmpdir):
-    if not caps["pid_namespace"]:
-        pytest.skip("without a pid namespace a setsid() daemon survives (documented)")
+def test_detached_daemon_does_not_outlive_the_run(caps, own_tmpdir, tmp_path_factory):
     code = """
         import os, time
         if os.fork() == 0:
@@ -229,7 +254,11 @@ def test_detached_daemon_does_not_outlive_the_run(caps, own_tmpdir):
             time.sleep(60)
         print("parent done")
         """
-    result = run(code)
+    result = isolated_result(caps, code, tmp_path_factory.mktemp("marks"))
+    if result is None:  # refused: nothing was started to outlive it
+        assert processes_mentioning(str(own_tmpdir)) == []
+        return
+    assert caps["pid_namespace"], caps  # what kills the daemon with the run's init
     assert result.status == "ok" and result.stdout == "parent done\n" and result.duration_s < 2
     assert processes_mentioning(str(own_tmpdir)) == []
 
@@ -292,18 +321,18 @@ def test_writes_outside_the_work_dir_fail(caps, own_tmpdir, tmp_path_factory):
                 print("refused", path, err.errno)
         """
     try:
-        result = run(code)
-        assert result.status == "ok"
-        if not caps["filesystem_readonly"]:
-            pytest.skip("no mount namespace here: a same-uid process can write where the uid can (documented)")
-        assert "wrote" not in result.stdout and result.stdout.count("refused") == 4
+        result = isolated_result(caps, code, outside)
+        if result is not None:
+            assert result.status == "ok"
+            assert "wrote" not in result.stdout and result.stdout.count("refused") == 4
+        # refused or isolated, nothing was written
         assert target.read_text() == "original" and not (outside / "new.txt").exists()
         assert not (own_tmpdir / "escape.txt").exists() and not elsewhere.exists()
     finally:
         elsewhere.unlink(missing_ok=True)
 
 
-def test_parent_environment_is_out_of_reach(caps, monkeypatch):
+def test_parent_environment_is_out_of_reach(caps, monkeypatch, tmp_path):
     monkeypatch.setenv("HFLOW_SANDBOX_TEST_SECRET", "s3cr3t-value")
     code = """
         import os
@@ -317,10 +346,10 @@ def test_parent_environment_is_out_of_reach(caps, monkeypatch):
         pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
         print("env", "HFLOW_SANDBOX_TEST_SECRET" in os.environ, "found", found, "ppid", os.getppid(), "pids", pids)
         """
-    result = run(code)
+    result = isolated_result(caps, code, tmp_path)
+    if result is None:
+        return
     assert result.status == "ok" and "env False" in result.stdout
-    if not caps["proc_isolated"]:
-        pytest.skip("no pid namespace here: /proc of same-uid processes is readable (documented)")
     # Its parent is the sandbox's init (pid 1); the trainer is not in its pid namespace at all.
     assert "found [] ppid 1 pids [1, 2]" in result.stdout
     assert os.environ["HFLOW_SANDBOX_TEST_SECRET"] == "s3cr3t-value"
@@ -361,13 +390,13 @@ except OSError as err:
 """
 
 
-def test_network_is_cut(caps, tcp_server):
+def test_network_is_cut(caps, tcp_server, tmp_path):
     port, accepted = tcp_server
-    result = run(CONNECT.format(port=port))
-    assert result.status == "ok" and result.network_isolated == caps["network_namespace"]
-    if not result.network_isolated:
-        pytest.skip("no network namespace here: the code can connect (documented, network_isolated=False)")
-    assert result.stdout.startswith("failed") and accepted == []
+    result = isolated_result(caps, CONNECT.format(port=port), tmp_path)
+    if result is not None:
+        assert result.status == "ok" and result.network_isolated is True
+        assert result.stdout.startswith("failed")
+    assert accepted == []  # refused or cut off, nothing connected
 
 
 def test_network_true_keeps_the_network(tcp_server):
@@ -376,35 +405,34 @@ def test_network_true_keeps_the_network(tcp_server):
     assert result.stdout == "connected\n" and result.network_isolated is False
 
 
-def test_namespaces_are_used_where_the_os_allows_them(caps):
-    # The isolation tests above accept a weaker promise where namespaces are refused; this one makes
-    # sure the sandbox does not fall back to it where util-linux's unshare shows they work.
+def test_namespaces_are_used_where_the_os_allows_them(caps, tmp_path):
+    # The isolation tests above check a refusal where the sandbox measured namespaces as refused; this one
+    # makes sure that measurement agrees with util-linux's unshare(1) (part of every Linux base system): all
+    # in force where unshare shows they work, and where it is refused, the sandbox refuses to run code.
     probe = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "true"]
-    try:
-        allowed = subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except FileNotFoundError:
-        pytest.skip("no unshare(1) here to tell whether namespaces are allowed")
-    if not allowed:
-        pytest.skip("this machine refuses unprivileged namespaces")
-    in_force = ("user_namespace", "network_namespace", "mount_namespace", "pid_namespace", "uid_mapped")
-    assert all(caps[key] for key in in_force), caps
-    assert caps["filesystem_readonly"] and caps["proc_isolated"] and caps["process_watchdog"], caps
+    allowed = subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    if allowed:
+        in_force = ("user_namespace", "network_namespace", "mount_namespace", "pid_namespace", "uid_mapped")
+        assert all(caps[key] for key in in_force), caps
+        assert caps["filesystem_readonly"] and caps["proc_isolated"] and caps["process_watchdog"], caps
+    else:
+        missing = isolation.missing_isolation(caps)
+        assert missing, f"unshare(1) is refused here, but the sandbox measured everything in force: {caps}"
+        assert_refused_not_run("print(1)", missing, tmp_path)
 
 
-def test_code_has_no_capabilities(caps):
-    if not caps["user_namespace"]:
-        pytest.skip("without a user namespace the code keeps this user's capabilities (documented)")
-    result = run("print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
-    assert result.stdout.strip() == "0000000000000000"
+def test_code_has_no_capabilities(caps, tmp_path):
+    result = isolated_result(caps, "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])", tmp_path)
+    if result is not None:
+        assert result.stdout.strip() == "0000000000000000"
 
 
-def test_code_cannot_kill_or_fake_its_supervisor(caps):
+def test_code_cannot_kill_or_fake_its_supervisor(caps, tmp_path):
     # A sandbox_error must mean the sandbox failed: the code must not be able to cause one.
-    result = run("import os, signal\nos.killpg(0, signal.SIGKILL)")
-    assert result.status == "error"
-    if not caps["pid_namespace"]:
-        pytest.skip("without a pid namespace the code can signal its supervisor (counted as the code's error)")
-    assert result.exit_code == -9
+    result = isolated_result(caps, "import os, signal\nos.killpg(0, signal.SIGKILL)", tmp_path)
+    if result is None:
+        return
+    assert (result.status, result.exit_code) == ("error", -9)
     code = """
         import os, signal
         for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM, signal.SIGCHLD):
@@ -562,9 +590,12 @@ def test_network_true_does_not_need_the_network_namespace(refused):
 @needs_seccomp
 def test_isolation_lost_after_preflight_refuses_the_run(caps, tmp_path, monkeypatch):
     # Isolated at preflight (measured, cached), refused at the run: the run is refused, never unisolated.
-    if isolation.missing_isolation(caps):
-        pytest.skip("this machine refuses namespaces already at preflight")
     monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+    if isolation.missing_isolation(caps):  # this machine refuses already at preflight, and so at the run
+        with pytest.raises(SandboxUnavailable, match="the python tool"):
+            require_isolation({"the python tool": LocalSandbox(LIMITS)})
+        assert_refused_not_run("print(1)", isolation.missing_isolation(caps), tmp_path)
+        return
     report = require_isolation({"the python tool": LocalSandbox(LIMITS)})
     assert report.unisolated == {} and report.warning is None
     wrapper = no_namespaces.launcher_wrapper(tmp_path, local._LAUNCHER)
@@ -608,11 +639,16 @@ def test_require_isolation_allowed_warns_and_records(refused, tmp_path, capsys):
     assert line["unisolated"] == {"code rewards": MISSING["all"]} and line["sandboxes"] == {"code rewards": "local"}
 
 
-def test_require_isolation_passes_where_isolated_and_checks_remote(caps, tmp_path):
-    if not all(caps[key] for key in isolation.REQUIRED_ISOLATION):
-        pytest.skip("this machine refuses namespaces")
-    report = require_isolation({"tool": LocalSandbox()})
-    assert report.unisolated == {} and report.record(tmp_path) is not None
+def test_require_isolation_passes_where_isolated_and_checks_remote(caps, tmp_path, monkeypatch):
+    monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+    missing = isolation.missing_isolation(caps)
+    if missing:  # this machine refuses namespaces: preflight stops, naming the sandbox and what is missing
+        with pytest.raises(SandboxUnavailable, match=r"\(tool\)") as caught:
+            require_isolation({"tool": LocalSandbox()})
+        assert all(isolation.REQUIRED_ISOLATION[key] in str(caught.value) for key in missing)
+    else:
+        report = require_isolation({"tool": LocalSandbox()})
+        assert report.unisolated == {} and report.record(tmp_path) is not None
     assert require_isolation({}).record(tmp_path / "none") is None and not (tmp_path / "none").exists()
     with socket.socket() as sock:  # a port where nothing listens
         sock.bind(("127.0.0.1", 0))

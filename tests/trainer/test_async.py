@@ -107,14 +107,17 @@ def test_dynamic_sampling_under_two_steps_off_learns_within_the_bound(ray_sessio
     assert max(r["train/num_gen_batches"] for r in steps) > 1, "no step drew more batches: filtering was not tested"
 
 
+# two standalone engines, two steps off, 4 steps (the admission is given beside it)
+CONTINUOUS_RUN = (*(o for o in ASYNC[:-1] if not o.startswith("trainer.rollout_n_gpus")),
+                  "trainer.total_training_steps=4", "trainer.async_steps=2", "trainer.n_gpus_per_node=3",
+                  "trainer.rollout_n_gpus=2", "ray_init.num_cpus=3")
+
+
 def test_continuous_admission_over_two_engines_learns_within_the_bound(ray_session, tmp_path):
     """Two standalone engines, samples routed by load (`rollout.admission=continuous`), two steps off: each
     step's samples come from both engines, and the run learns, which it could not if a sample came back in
     another row than its prompt's (its reward would be another problem's)."""
-    two_engines = [o for o in ASYNC[:-1] if not o.startswith("trainer.rollout_n_gpus")]
-    records = run_builtin(tmp_path, *two_engines, "trainer.total_training_steps=4", "trainer.async_steps=2",
-                          "trainer.n_gpus_per_node=3", "trainer.rollout_n_gpus=2", "ray_init.num_cpus=3",
-                          "actor_rollout_ref.rollout.admission=continuous")
+    records = run_builtin(tmp_path, *CONTINUOUS_RUN, "actor_rollout_ref.rollout.admission=continuous")
     assert_learned(validation_curve(records))
     steps = trained_steps(records, k=2)
     assert max(r["training/staleness/max"] for r in steps) == 2
@@ -123,5 +126,10 @@ def test_continuous_admission_over_two_engines_learns_within_the_bound(ray_sessi
     # the load is shared: each engine ran at least a quarter of the run's samples (an engine that is between two
     # calls when a batch comes takes none of it, so a single step may go to one engine)
     assert min(sum(a for a, _ in rows), sum(b for _, b in rows)) >= 0.25 * sum(a + b for a, b in rows), rows
+    # The idle share is only checked to be a share: on this short, even workload it does not tell the admissions
+    # apart (bench/results/admission_idle.md: over the run 0.52 continuous, 0.56 static; per step 0.00-1.00
+    # against 0.17-0.91), so a comparison with a static run would be a coin flip; the long-tailed bench is where
+    # it does (bench/results/placement_longtail_engines2_heavytail.md). Static admission fails this test all the
+    # same: it reports no rollout/rows/engine<i>.
     for r in steps:
         assert 0.0 <= r["perf/rollout_idle_share/engine0"] <= 1.0 and 0.0 <= r["perf/rollout_idle_share/engine1"] <= 1.0

@@ -3,6 +3,7 @@ code (namespaces refused by a seccomp filter on the sandbox's launcher, as under
 needs it and the ways out; `sandbox.allow_unisolated=true` lets it start with a warning and a record."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -101,10 +102,18 @@ def test_allow_unisolated_starts_with_a_warning_and_a_record(refused, config, tm
     assert "WITHOUT isolation" in lines[-1]["warning"]
 
 
-def test_isolated_run_passes_and_is_recorded(config):
-    caps = local.sandbox_capabilities()
-    if not all(caps[key] for key in isolation.REQUIRED_ISOLATION):
-        pytest.skip("this machine refuses namespaces")
+def test_isolated_run_passes_and_is_recorded(config, monkeypatch):
+    """Where this machine isolates, the run passes and is recorded; where it refuses namespaces (no wrapper:
+    the machine's own refusal), preflight stops the run instead, naming what is missing, before any log."""
+    monkeypatch.delenv(isolation.ALLOW_UNISOLATED_ENV, raising=False)
+    missing = isolation.missing_isolation(local.sandbox_capabilities())
+    if missing:
+        with pytest.raises(ConfigError) as caught:
+            check_code_isolation(config)
+        assert "code rewards (data_source 'apps', 'hflow/code')" in str(caught.value)
+        assert all(isolation.REQUIRED_ISOLATION[key] in str(caught.value) for key in missing)
+        assert not Path(config.trainer.log_dir).exists()
+        return
     report = check_code_isolation(config)
     assert report.unisolated == {} and report.warning is None
     with open(f"{config.trainer.log_dir}/sandbox.jsonl") as f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from transformers import AutoConfig
 
 from hflow.workers.rollout.base import prompt_token_ids
 from tests.workers.test_multi_turn_rollout import MAX_TURNS, QUESTIONS, hf_model, multi_turn_config, tool_config  # noqa: F401
-from tests.workers.test_rollout import PROMPT_LENGTH, make_prompts, push
+from tests.workers.test_rollout import PROMPT_LENGTH, make_prompts, push, rollout_config
 
 # The external agent: plain openai client, no hflow import. It does what hflow's loop does with the echo
 # tool: run each call, send its result as a tool message, stop after MAX_TURNS turns, at a turn without
@@ -231,21 +232,78 @@ def test_bad_requests_get_http_errors_that_say_which(endpoint_rollout, tiny_toke
     assert metrics["agent/endpoint_refused/unknown_episode"] > 0
 
 
-def test_the_example_calculator_agent_runs_through_the_endpoint(endpoint_rollout, tiny_tokenizer, monkeypatch):
-    """examples/agent/openai_agent.py, loaded as the config would load it, runs every episode to its end (the
-    test parser's calls name `echo`, so its calculator answers them with errors, as tool messages)."""
-    from pathlib import Path
+EXAMPLE_AGENT = Path(__file__).resolve().parents[2] / "examples" / "agent" / "openai_agent.py"
 
+
+def example_agent():
+    """examples/agent/openai_agent.py's agent function, loaded as the config would load it."""
     from hflow.agent.config import load_agent
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "agent" / "openai_agent.py"
-    agent = load_agent(OmegaConf.create({"agent_path": str(path), "agent_name": "run_episode"}))
-    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", agent)
+    return load_agent(OmegaConf.create({"agent_path": str(EXAMPLE_AGENT), "agent_name": "run_episode"}))
+
+
+@pytest.fixture(scope="module")
+def agent_task_rollout(world):
+    """A vLLM rollout of the built-in agentic task's model (which starts a calculator call in about a quarter
+    of its samples and copies the result into its answer), its Hermes format and its tools, serving the
+    example agent through the endpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hflow.tasks.agent_task import ensure_agent_assets
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+    assets = ensure_agent_assets()
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_path)
+    config = rollout_config(**{"n": 8, "temperature": 1.0, "response_length": 64, "multi_turn.enable": True,
+                               "multi_turn.format": "hermes", "multi_turn.tool_config_path": assets.tool_config_file,
+                               "multi_turn.max_assistant_turns": 3, "multi_turn.endpoint.enable": True,
+                               "multi_turn.endpoint.agent_path": str(EXAMPLE_AGENT)})
+    rollout = vLLMRollout(assets.model_path, config, tokenizer, AutoConfig.from_pretrained(assets.model_path))
+    push(rollout, AutoModelForCausalLM.from_pretrained(assets.model_path, dtype=torch.float32))
+    yield rollout, tokenizer
+    rollout.close()
+    del rollout
+    gc.collect()
+
+
+def test_the_example_calculator_agent_calls_the_calculator_and_answers(agent_task_rollout):
+    """examples/agent/openai_agent.py on the task it was written for, through the endpoint: in some episodes the
+    model calls the calculator, the agent runs it (the tool message is the product), and the model's next turn,
+    the episode's last, is the answer (the product again: the model copies it). The others guess at once."""
+    from hflow.tasks.agent_task import Multiplication
+
+    rollout, tokenizer = agent_task_rollout
+    problems = [Multiplication(37, 86), Multiplication(12, 45), Multiplication(64, 23), Multiplication(91, 58)]
+    rows = np.array([{"data_source": "hflow/multiply", "agent_name": None, "extra_info": {},
+                      "prompt": [{"role": "user", "content": p.question}]} for p in problems], dtype=object)
+    output = rollout.generate_sequences(make_prompts(tokenizer, [p.question for p in problems], agent_kwargs=rows))
+
+    episodes = output.non_tensor_batch["episode"]
+    assert all(e["ended"] != "agent_error" for e in episodes), [e["info"] for e in episodes]
+    answered = []
+    for key, episode in enumerate(episodes):
+        answer = str(problems[key // 8].answer)
+        tools = [m["content"] for m in episode["messages"] if m["role"] == "tool"]
+        if tools == [answer]:  # one successful call: the calculator's exact result
+            assistant = [m for m in episode["messages"] if m["role"] == "assistant"]
+            assert len(assistant) == 2 and episode["messages"][-1] is assistant[-1], episode["messages"]
+            answered.append((episode["ended"], assistant[-1]["content"].strip(), answer))
+        else:
+            assert tools == [], tools  # no call: the model guessed, and that was the episode
+    assert answered, [e["messages"] for e in episodes]
+    assert sum(ended == "agent_done" and text == answer for ended, text, answer in answered) >= 1, answered
+
+
+def test_the_example_agent_answers_a_call_to_a_tool_it_does_not_have_with_an_error(endpoint_rollout, tiny_tokenizer,
+                                                                                   monkeypatch):
+    """The test parser's calls name `echo`, which the example does not have: each gets an error tool message that
+    names the tool, and the episodes run on to their ends."""
+    monkeypatch.setattr(endpoint_rollout.multi_turn, "agent", example_agent())
     output = endpoint_rollout.generate_sequences(prompts_with_rows(tiny_tokenizer))
     episodes = output.non_tensor_batch["episode"]
     assert {e["ended"] for e in episodes} <= {"agent_done", "length"}, [e["info"] for e in episodes]
     tool_messages = [m["content"] for e in episodes for m in e["messages"] if m["role"] == "tool"]
-    assert tool_messages and all("Error:" in m for m in tool_messages)
+    assert tool_messages and all(m.startswith("Error: unknown tool 'echo'") for m in tool_messages), tool_messages
 
 
 def test_a_vault_episode_through_the_endpoint_is_scored_by_the_agents_verdict(endpoint_rollout, tiny_tokenizer,
@@ -255,8 +313,6 @@ def test_a_vault_episode_through_the_endpoint_is_scored_by_the_agents_verdict(en
     random model cannot play, so its turns reach the environment replaced: a look, then the code it showed (the
     first question's episodes) or another code (the others). The run's environment entry reaches the agent too: with
     the reset-every-turn control's, the code shown is never the one checked, and nothing opens."""
-    from pathlib import Path
-
     from hflow.agent.config import load_agent
     from hflow.agent.env import load_envs
     from hflow.reward.managers.naive import NaiveRewardManager

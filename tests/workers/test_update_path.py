@@ -4,9 +4,10 @@ Two kinds of tests (issue 33):
 
 * **Operator counts**, a proxy for the host time that made the H100 update launch-bound: the aten operators
   that one update and one log-prob pass dispatch, counted by a `TorchDispatchMode`, against a plain PyTorch
-  loop over the same model and batch (fp32 weights, bf16 autocast, log-softmax + gather, AdamW); at most
-  1.2x, on one rank (no FSDP2: compute copies cast once per pass) and on two (FSDP2 over gloo, gathered once
-  per update).
+  loop over the same model and batch (fp32 weights, bf16 autocast, log-softmax + gather, AdamW), on one rank
+  (no FSDP2: compute copies cast once per pass) and on two (FSDP2 over gloo, gathered once per update). Each
+  count may exceed what was measured by less than one operator per layer in every micro-batch's forward
+  (`SLACK`): an operator added to each layer's forward fails them.
 * **Equal results** of each new path and the old one: the fused LM head against the blocked log-prob and
   entropy of the full logits, the one-rank compute copies against FSDP2's mixed precision, gathering once
   per update against gathering per micro-batch, fused AdamW against foreach.
@@ -34,13 +35,31 @@ from tests.workers.test_dp_actor import actor_config, make_batch
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}  # the GPU's default mixed precision
 PROMPT, RESPONSE, ROWS, MICRO = 8, 8, 8, 2  # 4 micro-batches of 2 sequences
+LAYERS = 8
+
+# hflow's operators minus the plain loop's, as measured (torch 2.13.0, transformers 5.19.0; the counts do not
+# depend on the load or on the data): one rank, update 8958 vs 9192 (0.975x), log-prob 2739 vs 3080 (0.889x);
+# two ranks, update 9708 vs 9192 (1.056x), log-prob 2972 vs 3080 (0.965x). Differences, not counts: a
+# library upgrade that changes the model's own operators moves both sides alike.
+MEASURED_EXCESS = {"one rank": {"update": 8958 - 9192, "log_prob": 2739 - 3080},
+                   "two ranks": {"update": 9708 - 9192, "log_prob": 2972 - 3080}}
+# Half an operator per layer in each micro-batch's forward: one more per layer adds 8 x 4 = 32 to the log-prob
+# pass (and at least as many to the update), and fails; the old bound of 1.2x let through 600 more.
+SLACK = LAYERS * (ROWS // MICRO) // 2
+
+
+def assert_within_measured(where: str, update: int, log_prob: int, plain_update: int, plain_lp: int) -> None:
+    excess = {"update": update - plain_update, "log_prob": log_prob - plain_lp}
+    print(f"{where}: update {update} ops vs plain {plain_update}; log-prob {log_prob} vs {plain_lp}")
+    for pass_, measured in MEASURED_EXCESS[where].items():
+        assert excess[pass_] <= measured + SLACK, (where, pass_, excess[pass_], measured, SLACK)
 
 
 @pytest.fixture(scope="module")
 def deep_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Eight layers, so that per-layer costs (what the H100's 28 layers pay) dominate the fixed ones."""
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+    config = Qwen2Config(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, vocab_size=128, max_position_embeddings=64)
     path = tmp_path_factory.mktemp("qwen2-deep")
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -124,7 +143,7 @@ def bf16_actor_model(model_path: str, mesh):
     return apply_fsdp2(load_causal_lm(model_path), mesh, mixed_precision=BF16)
 
 
-def test_one_rank_update_dispatches_at_most_1_2x_the_plain_loop(deep_model_dir: Path, world_of_one):
+def test_one_rank_update_dispatches_no_more_than_measured_against_the_plain_loop(deep_model_dir: Path, world_of_one):
     data = full_batch()
     plain_update, plain_lp = plain_loop_counts(str(deep_model_dir), data)
     model = bf16_actor_model(str(deep_model_dir), world_of_one)
@@ -133,9 +152,7 @@ def test_one_rank_update_dispatches_at_most_1_2x_the_plain_loop(deep_model_dir: 
     # no FSDP2 on one rank: none of its operators (its gradient reduction's chunk_cat, its copy-in)
     fsdp_ops = {name: n for name, n in (update_ops.ops + log_prob_ops.ops).items() if name.startswith("fsdp.")}
     assert not fsdp_ops, fsdp_ops
-    print(f"one rank: update {update} ops vs plain {plain_update}; log-prob {log_prob} vs {plain_lp}")
-    assert update <= 1.2 * plain_update, (update, plain_update)
-    assert log_prob <= 1.2 * plain_lp, (log_prob, plain_lp)
+    assert_within_measured("one rank", update, log_prob, plain_update, plain_lp)
 
 
 def _two_rank_counts(rank: int, port: int, model_path: str, out: str) -> None:
@@ -156,14 +173,12 @@ def _two_rank_counts(rank: int, port: int, model_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_update_dispatches_at_most_1_2x_the_plain_loop(deep_model_dir: Path, tmp_path: Path):
+def test_two_rank_update_dispatches_no_more_than_measured_against_the_plain_loop(deep_model_dir: Path, tmp_path: Path):
     out = tmp_path / "counts.pt"
     spawn_ranks(_two_rank_counts, 2, free_port(), str(deep_model_dir), str(out))
     counts = torch.load(out)
     (update, log_prob), (plain_update, plain_lp) = counts["hflow"], counts["plain"]
-    print(f"two ranks: update {update} ops vs plain {plain_update}; log-prob {log_prob} vs {plain_lp}")
-    assert update <= 1.2 * plain_update, (update, plain_update)
-    assert log_prob <= 1.2 * plain_lp, (log_prob, plain_lp)
+    assert_within_measured("two ranks", update, log_prob, plain_update, plain_lp)
 
 
 # ------------------------------------------------------------------ each new path equals the old one

@@ -144,13 +144,15 @@ def test_critic_update_reaches_or_spares_the_vision_tower(vl_dir, batch, frozen)
 
 def test_one_ppo_step_with_a_vision_critic(vl_dir, data_file, tmp_path):
     """PPO with a critic (GAE) on image prompts, end to end: HF rollout on the local backend, one step. The
-    critic's values, the advantages and both updates come back finite; the sampler's log-probs are the trainer's."""
+    critic's values, the advantages and both updates come back finite; the sampler's log-probs are the trainer's.
+    The critic saved after the step has moved from the model it started from in its language model and in its
+    vision tower, which only a gradient through the images reaches: its update saw them."""
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str) % 3 == 0)\n")
     run = subprocess.run(
         [sys.executable, "-m", "hflow.trainer.main_ppo", "algorithm.adv_estimator=gae", "trainer.backend=local",
-         "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
+         "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=1",
          "trainer.val_before_train=false", "actor_rollout_ref.rollout.name=hf", f"data.train_files={data_file}",
          f"data.val_files={data_file}", "data.train_batch_size=4", "data.max_prompt_length=64",
          "data.max_response_length=8", f"actor_rollout_ref.model.path={vl_dir}",
@@ -165,7 +167,26 @@ def test_one_ppo_step_with_a_vision_critic(vl_dir, data_file, tmp_path):
     for key in ("critic/vf_loss", "critic/values/mean", "critic/advantages/max", "actor/pg_loss"):
         assert np.isfinite(record[key]), key
     assert record["critic/values/max"] > record["critic/values/min"]  # a normal head: values differ by state
+    assert record["critic/grad_norm"] > 0, record
     assert record["training/rollout_probs_diff_max"] < 1e-3
+    moved = moved_critic_weights(tmp_path / "checkpoints" / "hflow" / "default" / "global_step_1" / "critic",
+                                 vl_dir, tmp_path)
+    assert any("visual" in name for name in moved), sorted(moved)
+    assert any("language_model" in name for name in moved), sorted(moved)
+
+
+def moved_critic_weights(checkpoint: Path, start: Path, tmp_path: Path) -> set[str]:
+    """The names of the backbone weights in a critic checkpoint that differ from the model in `start`."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from hflow.workers.fsdp import clean_param_name
+
+    dcp_to_torch_save(str(checkpoint / "model_optim"), str(tmp_path / "critic.pt"))
+    saved = {clean_param_name(k): v for k, v in torch.load(tmp_path / "critic.pt", weights_only=True)["model"].items()}
+    initial = load_value_model(str(start), attn_implementation=SDPA_VARLEN, value_head_init="normal").state_dict()
+    backbone = [name for name in initial if name in saved and not name.startswith("score.")]
+    assert len(backbone) > 10 and any("visual" in name for name in backbone), sorted(saved)
+    return {name for name in backbone if not torch.equal(saved[name].float(), initial[name].float())}
 
 
 # ---- multi-turn episodes on image prompts ------------------------------------------------------------------
