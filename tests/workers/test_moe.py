@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,92 @@ def test_router_replay_uses_the_sampler_experts(moe_dir, vllm_sample, packed):
     # the replayed forward still reports where the router itself would have gone (actor/moe/routing_match)
     matching, count = trace.routing_match(replayed)
     assert float(matching / count) < 0.9
+
+
+# ---- what the replayed forward computes, against the MoE blocks by hand ---------------------------
+
+
+@contextmanager
+def routed_by_hand(model: torch.nn.Module, pick) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Every sparse MoE block of `model` computed here instead of by transformers: router logits, softmax,
+    the experts `pick(probs (N, E), own top-k (N, k))` returns, their probabilities renormalised (the tiny
+    model's `norm_topk_prob`), each expert's SwiGLU. Yields [(logits, own, chosen)] per block, in layer order.
+    Independent of `hflow.workers.moe`: no hook, no router call."""
+    blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    assert [b.gate for b in blocks] == moe_routers(model) and model.config.norm_topk_prob
+    assert model.config.hidden_act == "silu"
+    record: list = []
+
+    def block_forward(block):
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            logits = x @ block.gate.weight.T
+            probs = torch.softmax(logits.float(), dim=-1)
+            own = probs.topk(block.gate.top_k, dim=-1).indices
+            chosen = pick(probs, own)
+            weights = probs.gather(-1, chosen)
+            weights = weights / weights.sum(-1, keepdim=True)
+            gate, up = torch.einsum("nh,eoh->neo", x, block.experts.gate_up_proj).chunk(2, dim=-1)
+            every = torch.einsum("nei,ehi->neh", torch.nn.functional.silu(gate) * up, block.experts.down_proj)
+            out = (every.gather(1, chosen[..., None].expand(-1, -1, x.shape[-1])) * weights[..., None]).sum(1)
+            record.append((logits, own, chosen))
+            return out.reshape(hidden_states.shape)
+        return forward
+
+    for block in blocks:
+        block.forward = block_forward(block)
+    try:
+        yield record
+    finally:
+        for block in blocks:
+            del block.forward  # back to the class's
+
+
+def response_log_probs_by_hand(model: torch.nn.Module, data: DataProto, pick) -> tuple[torch.Tensor, list]:
+    """(B, L) log-probs of the responses from one padded forward of the whole batch routed by `pick`, and
+    the blocks' record (`routed_by_hand`)."""
+    ids, responses = data.batch["input_ids"], data.batch["responses"]
+    with torch.no_grad(), routed_by_hand(model, pick) as record:
+        logits = model(input_ids=ids, attention_mask=data.batch["attention_mask"],
+                       position_ids=data.batch["position_ids"]).logits
+    scoring = logits[:, ids.shape[1] - responses.shape[1] - 1: -1].float()
+    return torch.log_softmax(scoring, -1).gather(-1, responses[..., None]).squeeze(-1), record
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_replay_computes_the_forward_of_the_recorded_experts(moe_dir, packed):
+    """The actor's log-probs under replay are those of a forward whose MoE blocks use the recorded experts
+    (computed by hand), not those of the router's own choice: every recorded token is given the two experts
+    its router likes least, so replay changes every (token, layer) it touches."""
+    from tests.workers.test_dp_actor import make_batch
+
+    model = load(moe_dir)
+    data = make_batch(6, seed=3)
+    valid = data.batch["attention_mask"].flatten().bool()
+    recorded = valid.clone()  # as the sampler records: no padding, no response's last token
+    last = data.batch["attention_mask"].cumsum(-1).argmax(-1)
+    recorded.view(len(data), -1)[torch.arange(len(data)), last] = False
+
+    def least_liked(probs: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        return torch.where(recorded[:, None], probs.topk(own.shape[-1], dim=-1, largest=False).indices, own)
+
+    free_by_hand, _ = response_log_probs_by_hand(model, data, lambda probs, own: own)
+    forced_by_hand, record = response_log_probs_by_hand(model, data, least_liked)
+    routed = torch.stack([chosen for _, _, chosen in record], dim=1).to(torch.int16)  # (B*T, R, k)
+    routed[~recorded] = -1
+    data.batch["routed_experts"] = routed.view(*data.batch["input_ids"].shape, *routed.shape[1:])
+    data.meta_info["micro_batch_size"] = 4  # two micro-batches, the second one short
+
+    def actor_log_probs(**overrides) -> torch.Tensor:
+        actor = DataParallelPPOActor(actor_config(use_remove_padding=packed, **overrides), model)
+        return actor.compute_log_prob(data)[0]
+
+    mask = data.batch["response_mask"].bool()
+    # the hand-written blocks are the model's (free routing, both ways)
+    torch.testing.assert_close(actor_log_probs()[mask], free_by_hand[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actor_log_probs(router_replay=True)[mask], forced_by_hand[mask], rtol=1e-5, atol=1e-5)
+    moved = (forced_by_hand - free_by_hand)[mask].abs().max()
+    assert moved > 0.5, f"the recorded experts moved the log-probs by {moved:.3f} only: the test is vacuous"
 
 
 def test_hf_rollout_records_routing(moe_dir, tiny_tokenizer):
