@@ -1,6 +1,7 @@
 """`trainer.deterministic=true`: the same command twice writes the same metrics (but timings) and the same
 checkpoints; a trainer log-prob does not depend on the other samples of its micro-batch
-(`hflow.utils.batch_invariant`); preflight names the options whose result depends on timing."""
+(`hflow.utils.batch_invariant`), in the actor and through the worker that enters the mode; preflight names the
+options whose result depends on timing."""
 
 import json
 import os
@@ -148,7 +149,8 @@ def test_the_worker_scores_a_row_the_same_alone_or_among_sixteen(tmp_path, world
         worker.init_model()
         in_mode.append(worker.compute_log_prob(rows()).batch["old_log_probs"])
         plain = rows()
-        plain.meta_info.update(micro_batch_size=micro_batch_size, temperature=config.actor_rollout_ref.rollout.temperature)
+        plain.meta_info.update(micro_batch_size=micro_batch_size,
+                               temperature=config.actor_rollout_ref.rollout.temperature)
         outside.append(worker.actor.compute_log_prob(plain)[0])  # the worker's actor, no mode around it
     # the premise: without the mode the two micro-batch shapes round differently here
     assert not torch.equal(outside[0], outside[1]), "this BLAS is batch-invariant here: the test cannot see the mode"

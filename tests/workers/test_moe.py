@@ -1,6 +1,7 @@
 """Mixture-of-experts in the trainer (`hflow.workers.moe`): router replay from the real vLLM sampler (and the
-HF one), the load-balancing loss against a hand computation, the expert-load metrics, the dense-model
-preflight. A random tiny Qwen3-MoE (4 experts, 2 per token) built in a temporary folder.
+HF one), the replayed forward's log-probs and the update's load-balancing loss and expert-load metrics against
+MoE blocks computed by hand, the dense-model preflight. A random tiny Qwen3-MoE (4 experts, 2 per token) built
+in a temporary folder.
 """
 
 from __future__ import annotations
