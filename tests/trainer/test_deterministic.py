@@ -1,6 +1,7 @@
 """`trainer.deterministic=true`: the same command twice writes the same metrics (but timings) and the same
 checkpoints; a trainer log-prob does not depend on the other samples of its micro-batch
-(`hflow.utils.batch_invariant`); preflight names the options whose result depends on timing."""
+(`hflow.utils.batch_invariant`), in the actor and through the worker that enters the mode; preflight names the
+options whose result depends on timing."""
 
 import json
 import os
@@ -108,3 +109,50 @@ def test_two_deterministic_runs_write_the_same_metrics_and_checkpoints(tmp_path)
     for name in files:
         if name.suffix in (".safetensors", ".distcp", ".pt", ".bin"):
             assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+@pytest.fixture()
+def two_threads():
+    """Two torch threads in this test: this CPU's BLAS then rounds a 1-row and a 16-row product differently on
+    both the padded and the packed path (with one thread the padded path's rounding agreed)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_the_worker_scores_a_row_the_same_alone_or_among_sixteen(tmp_path, world_of_one, two_threads, remove_padding):
+    """`trainer.deterministic=true` reaches the worker: its compute_log_prob, at micro-batch sizes 1 and 16,
+    gives bitwise the same log-probs, where the same actor outside the mode does not."""
+    from hflow.protocol import DataProto
+    from hflow.tasks.tiny_models import build_causal_lm
+    from hflow.workers.fsdp_workers import ActorRolloutRefWorker
+    from tests.workers.test_dp_actor import make_batch
+
+    model_path = build_causal_lm(tmp_path / "model", preset="tiny")
+    data = make_batch(16, seed=5)
+
+    def rows() -> DataProto:
+        return DataProto.from_dict({key: data.batch[key] for key in ("input_ids", "attention_mask", "position_ids",
+                                                                     "responses")})
+
+    in_mode, outside = [], []
+    for micro_batch_size in (1, 16):
+        config = default_config("trainer.deterministic=true", f"actor_rollout_ref.model.path={model_path}",
+                                f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                                f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch_size}")
+        OmegaConf.resolve(config)
+        worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")
+        worker.init_model()
+        in_mode.append(worker.compute_log_prob(rows()).batch["old_log_probs"])
+        plain = rows()
+        plain.meta_info.update(micro_batch_size=micro_batch_size,
+                               temperature=config.actor_rollout_ref.rollout.temperature)
+        outside.append(worker.actor.compute_log_prob(plain)[0])  # the worker's actor, no mode around it
+    # the premise: without the mode the two micro-batch shapes round differently here
+    assert not torch.equal(outside[0], outside[1]), "this BLAS is batch-invariant here: the test cannot see the mode"
+    difference = (in_mode[0] - in_mode[1]).abs().max()
+    assert torch.equal(in_mode[0], in_mode[1]), f"log-probs differ by up to {difference:.2e} between micro-batches"

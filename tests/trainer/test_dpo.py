@@ -27,12 +27,13 @@ from omegaconf import OmegaConf
 from hflow import CONFIG_DIR
 from hflow.tasks.builtin_task import ensure_builtin_assets
 from hflow.tasks.rlhf_task import ensure_rlhf_task_data, write_shuffled_labels
+from hflow.single_controller.base import Dispatch, register
 from hflow.trainer.config import DPOTrainerConfig, default_config
-from hflow.trainer.supervised_trainer import run_stage
+from hflow.trainer.supervised_trainer import DPOTrainer, run_stage
 from hflow.utils.dataset.supervised import DPODataset, pair_collate_fn
 from hflow.utils.errors import DataError
 from hflow.workers.common import load_tokenizer
-from hflow.workers.supervised_workers import dpo_loss
+from hflow.workers.supervised_workers import DPOWorker, dpo_loss
 from tests.conftest import REPO_ROOT
 
 
@@ -203,6 +204,58 @@ def test_validation_metrics_are_the_hand_computed_loss_of_both_models(tmp_path):
     # step 1 starts at the reference: every reward is 0, the loss log 2 whatever the smoothing
     first = metrics_of(tmp_path / "logs")[0]
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6) and first["train/rewards/margins"] == 0.0
+
+
+class DriftedDPOWorker(DPOWorker):
+    """The DPO worker with its policy moved off the reference right after loading (the final norm's weight
+    x 1.5, which sharpens every next-token distribution), as a resumed run's policy is: at step 1 a policy
+    scored as its own reference would give every pair a zero margin and the loss log 2."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        super().init_model()
+        with torch.no_grad():
+            self.module.get_submodule("model.norm").weight.mul_(DRIFT)
+
+
+DRIFT = 1.5
+
+
+def test_the_training_loss_at_step_1_is_the_hand_computed_loss_against_the_reference(tmp_path, monkeypatch):
+    """One training step of a policy that differs from its reference: the step's logged loss and margin are
+    the hand-computed ones, the policy's reply log-probs against the reference's (the built-in model)."""
+    from transformers import AutoModelForCausalLM
+
+    beta, rows = 0.5, pq.read_table(ensure_rlhf_task_data().rm_val).to_pylist()[:8]
+    pairs = write(tmp_path / "pairs.parquet", rows)
+    monkeypatch.setattr(DPOTrainer, "worker_cls", DriftedDPOWorker)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = compose(config_name="dpo_trainer", overrides=[
+            "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
+            f"data.train_files={pairs}", f"data.val_files={pairs}", f"data.train_batch_size={len(rows)}",
+            "data.micro_batch_size_per_gpu=3", f"dpo.beta={beta}", "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]", f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"])
+    run_stage(config, "dpo", frozenset({"data.train_files", "data.val_files"}))
+
+    model_path = ensure_builtin_assets().model_path
+    tokenizer = load_tokenizer(model_path)
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(DRIFT)
+    losses, margins = [], []
+    for row in rows:
+        (pc, pr), (rc, rr) = ([reply_logp(model, tokenizer, row["prompt"], row[key]) for key in ("chosen", "rejected")]
+                              for model in (policy, ref))
+        h = (pc - rc) - (pr - rr)
+        losses.append(math.log1p(math.exp(-beta * h)))
+        margins.append(beta * h)
+    loss = sum(losses) / len(losses)
+    assert abs(loss - math.log(2)) > 0.02, f"the drift moved the loss to {loss:.4f} only: the test is vacuous"
+    first = metrics_of(tmp_path / "logs")[0]
+    assert first["step"] == 1
+    assert first["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-5)
+    assert first["train/rewards/margins"] == pytest.approx(sum(margins) / len(margins), rel=1e-5, abs=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- learning

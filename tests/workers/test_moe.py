@@ -1,12 +1,15 @@
 """Mixture-of-experts in the trainer (`hflow.workers.moe`): router replay from the real vLLM sampler (and the
-HF one), the load-balancing loss against a hand computation, the expert-load metrics, the dense-model
-preflight. A random tiny Qwen3-MoE (4 experts, 2 per token) built in a temporary folder.
+HF one), the replayed forward's log-probs and the update's load-balancing loss and expert-load metrics against
+MoE blocks computed by hand, the dense-model preflight. A random tiny Qwen3-MoE (4 experts, 2 per token) built
+in a temporary folder.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from hflow.tasks.tiny_models import build_causal_lm
 from hflow.trainer.config import default_config
 from hflow.utils.errors import ConfigError
 from hflow.workers.actor import DataParallelPPOActor
+from hflow.workers.actor.dp_actor import response_mask_of
 from hflow.workers.config import resolved_copy
 from hflow.workers.moe import RouterTrace, check_moe_settings, moe_routers, route_and_trace
 from hflow.workers.rollout import HFRollout
@@ -131,6 +135,92 @@ def test_router_replay_uses_the_sampler_experts(moe_dir, vllm_sample, packed):
     assert float(matching / count) < 0.9
 
 
+# ---- what the replayed forward computes, against the MoE blocks by hand ---------------------------
+
+
+@contextmanager
+def routed_by_hand(model: torch.nn.Module, pick) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Every sparse MoE block of `model` computed here instead of by transformers: router logits, softmax,
+    the experts `pick(layer, probs (N, E), own top-k (N, k))` returns, their probabilities renormalised (the tiny
+    model's `norm_topk_prob`), each expert's SwiGLU. Yields [(logits, own, chosen)] per block, in layer order.
+    Independent of `hflow.workers.moe`: no hook, no router call."""
+    blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    assert [b.gate for b in blocks] == moe_routers(model) and model.config.norm_topk_prob
+    assert model.config.hidden_act == "silu"
+    record: list = []
+
+    def block_forward(layer, block):
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            logits = x @ block.gate.weight.T
+            probs = torch.softmax(logits.float(), dim=-1)
+            own = probs.topk(block.gate.top_k, dim=-1).indices
+            chosen = pick(layer, probs, own)
+            weights = probs.gather(-1, chosen)
+            weights = weights / weights.sum(-1, keepdim=True)
+            gate, up = torch.einsum("nh,eoh->neo", x, block.experts.gate_up_proj).chunk(2, dim=-1)
+            every = torch.einsum("nei,ehi->neh", torch.nn.functional.silu(gate) * up, block.experts.down_proj)
+            out = (every.gather(1, chosen[..., None].expand(-1, -1, x.shape[-1])) * weights[..., None]).sum(1)
+            record.append((logits, own, chosen))
+            return out.reshape(hidden_states.shape)
+        return forward
+
+    for layer, block in enumerate(blocks):
+        block.forward = block_forward(layer, block)
+    try:
+        yield record
+    finally:
+        for block in blocks:
+            del block.forward  # back to the class's
+
+
+def response_log_probs_by_hand(model: torch.nn.Module, data: DataProto, pick) -> tuple[torch.Tensor, list]:
+    """(B, L) log-probs of the responses from one padded forward of the whole batch routed by `pick`, and
+    the blocks' record (`routed_by_hand`)."""
+    ids, responses = data.batch["input_ids"], data.batch["responses"]
+    with torch.no_grad(), routed_by_hand(model, pick) as record:
+        logits = model(input_ids=ids, attention_mask=data.batch["attention_mask"],
+                       position_ids=data.batch["position_ids"]).logits
+    scoring = logits[:, ids.shape[1] - responses.shape[1] - 1: -1].float()
+    return torch.log_softmax(scoring, -1).gather(-1, responses[..., None]).squeeze(-1), record
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_replay_computes_the_forward_of_the_recorded_experts(moe_dir, packed):
+    """The actor's log-probs under replay are those of a forward whose MoE blocks use the recorded experts
+    (computed by hand), not those of the router's own choice: every recorded token is given the two experts
+    its router likes least, so replay changes every (token, layer) it touches."""
+    from tests.workers.test_dp_actor import make_batch
+
+    model = load(moe_dir)
+    data = make_batch(6, seed=3)
+    valid = data.batch["attention_mask"].flatten().bool()
+    recorded = valid.clone()  # as the sampler records: no padding, no response's last token
+    last = data.batch["attention_mask"].cumsum(-1).argmax(-1)
+    recorded.view(len(data), -1)[torch.arange(len(data)), last] = False
+
+    def least_liked(layer: int, probs: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        return torch.where(recorded[:, None], probs.topk(own.shape[-1], dim=-1, largest=False).indices, own)
+
+    free_by_hand, _ = response_log_probs_by_hand(model, data, lambda layer, probs, own: own)
+    forced_by_hand, record = response_log_probs_by_hand(model, data, least_liked)
+    routed = torch.stack([chosen for _, _, chosen in record], dim=1).to(torch.int16)  # (B*T, R, k)
+    routed[~recorded] = -1
+    data.batch["routed_experts"] = routed.view(*data.batch["input_ids"].shape, *routed.shape[1:])
+    data.meta_info["micro_batch_size"] = 4  # two micro-batches, the second one short
+
+    def actor_log_probs(**overrides) -> torch.Tensor:
+        actor = DataParallelPPOActor(actor_config(use_remove_padding=packed, **overrides), model)
+        return actor.compute_log_prob(data)[0]
+
+    mask = data.batch["response_mask"].bool()
+    # the hand-written blocks are the model's (free routing, both ways)
+    torch.testing.assert_close(actor_log_probs()[mask], free_by_hand[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actor_log_probs(router_replay=True)[mask], forced_by_hand[mask], rtol=1e-5, atol=1e-5)
+    moved = (forced_by_hand - free_by_hand)[mask].abs().max()
+    assert moved > 0.5, f"the recorded experts moved the log-probs by {moved:.3f} only: the test is vacuous"
+
+
 def test_hf_rollout_records_routing(moe_dir, tiny_tokenizer):
     model = load(moe_dir)
     config = with_recording(rollout_config(name="hf", n=2, temperature=1.0))
@@ -178,30 +268,70 @@ def test_aux_loss_is_the_models(moe_dir):
     torch.testing.assert_close(trace.aux_loss(mask.reshape(-1).bool()), expected.float())
 
 
+def moe_metrics_by_hand(model: torch.nn.Module, batch: DataProto, micro_batch_size: int) -> dict[str, float]:
+    """`actor/moe/*` of one update over `batch` that replays its `routed_experts`, from their definitions
+    (`hflow.workers.moe`'s docstring) on the hand-routed forward: per micro-batch over its valid tokens (R
+    layers, E experts), then weighted by the micro-batch's share of the response tokens."""
+    num_experts = model.config.num_experts
+    response_tokens = response_mask_of(batch.batch).sum()
+    totals = {"aux_loss": 0.0, "expert_load_max": 0.0, "expert_load_min": 0.0, "routing_match": 0.0}
+    for start in range(0, len(batch), micro_batch_size):
+        part = batch[start:start + micro_batch_size]
+        recorded = part.batch["routed_experts"].flatten(0, 1).long()  # (N, R, k)
+        has = (recorded >= 0).all(-1)  # (N, R): the sampler ran this token
+
+        def replayed(layer: int, probs: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+            return torch.where(has[:, layer, None], recorded[:, layer], own)
+
+        _, record = response_log_probs_by_hand(model, part, replayed)
+        valid = part.batch["attention_mask"].flatten().bool()
+        slots = [torch.bincount(chosen[valid].flatten(), minlength=num_experts).double() for _, _, chosen in record]
+        shares = [count / count.sum() for count in slots]
+        per_slot = valid.sum().double() * len(record)  # valid tokens x layers
+        f = sum(slots) / per_slot  # sums to k
+        p = sum(torch.softmax(logits.double(), -1)[valid].sum(0) for logits, _, _ in record) / per_slot
+        same = [(own.sort(-1).values == recorded[:, layer].sort(-1).values).all(-1) & has[:, layer]
+                for layer, (_, own, _) in enumerate(record)]
+        values = {"aux_loss": num_experts * (f * p).sum(),
+                  "expert_load_max": sum(num_experts * share.max() for share in shares) / len(shares),
+                  "expert_load_min": sum(num_experts * share.min() for share in shares) / len(shares),
+                  "routing_match": sum(s.sum() for s in same) / has.sum()}
+        weight = response_mask_of(part.batch).sum() / response_tokens
+        for name, value in values.items():
+            totals[name] += float(value * weight)
+    return totals
+
+
 def test_update_reports_expert_load_and_adds_the_aux_loss(moe_dir, vllm_sample):
+    """The update's `actor/moe/*` are the hand-computed values of its replayed forward. The routers are moved
+    first, so the replayed experts (which the load and the aux loss count) are not the router's own (which
+    routing_match compares): counting the wrong ones, or padding, or one layer, changes the numbers."""
     batch = vllm_sample
     batch.meta_info["temperature"] = 1.0
     batch.batch["advantages"] = torch.zeros_like(batch.batch["responses"], dtype=torch.float32)
+    micro_batch_size = 3
 
-    def router_step(coef: float) -> tuple[dict, torch.Tensor]:
-        """The metrics of one update and how far it moved the first router's weights."""
+    def router_step(coef: float) -> tuple[dict, dict, torch.Tensor]:
+        """The metrics of one update, their values by hand, and how far the update moved the first router."""
         model = load(moe_dir)
+        perturb_routers(model)
+        by_hand = moe_metrics_by_hand(model, batch, micro_batch_size)
         before = moe_routers(model)[0].weight.detach().clone()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        actor = DataParallelPPOActor(actor_config(router_replay=True, router_aux_loss_coef=coef), model, optimizer)
+        actor = DataParallelPPOActor(actor_config(router_replay=True, router_aux_loss_coef=coef,
+                                                  ppo_micro_batch_size_per_gpu=micro_batch_size), model, optimizer)
         metrics = actor.update_policy(batch)
-        return metrics, (moe_routers(model)[0].weight.detach() - before).abs().max()
+        return metrics, by_hand, (moe_routers(model)[0].weight.detach() - before).abs().max()
 
-    metrics, moved = router_step(0.5)
-    for name in ("aux_loss", "expert_load_max", "expert_load_min", "routing_match"):
-        assert len(metrics[f"actor/moe/{name}"]) == 1, name
-    assert 1.0 <= metrics["actor/moe/expert_load_max"][0] <= 4.0
-    assert 0.0 <= metrics["actor/moe/expert_load_min"][0] <= 1.0
-    assert metrics["actor/moe/routing_match"][0] > 0.99  # unmoved weights: the sampler's routing
-    assert 0.0 < metrics["actor/moe/aux_loss"][0] <= 4.0  # E sum_e f_e P_e with f_e <= 1, sum_e P_e = 1: at most E
+    metrics, by_hand, moved = router_step(0.5)
+    assert len(batch) == 6  # two micro-batches
+    for name, value in by_hand.items():
+        assert metrics[f"actor/moe/{name}"] == [pytest.approx(value, rel=1e-5)], name
+    assert by_hand["routing_match"] < 0.9  # the moved routers' own choice is often not the sampler's
+    assert by_hand["expert_load_max"] > 1.05  # not balanced: a count that ignored the routing would show 1
     # zero advantages: the routers move by the aux loss alone, and not at all at coef 0
     assert moved > 1e-4
-    assert router_step(0.0)[1] == 0
+    assert router_step(0.0)[2] == 0
 
 
 # ---- preflight ------------------------------------------------------------------------------------
