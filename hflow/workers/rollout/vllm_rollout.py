@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.workers.rollout.config import check_tensor_parallel
 from hflow.protocol import DataProto
-from hflow.utils.device import is_cuda
+from hflow.utils.device import empty_cache, is_cuda
 from hflow.utils.torch_functional import pad_2d_list_to_length
 from hflow.workers.rollout.base import (
     BaseRollout,
@@ -50,9 +50,10 @@ from hflow.workers.rollout.base import (
     resolve_sampling,
 )
 
-# Must be set before vllm is imported: the engine then runs in this process, which is what lets
-# weights be handed over as tensors (a multiprocess engine only accepts a path).
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from hflow.workers.rollout.vllm_env import MODEL_RUNNER, VLLM_ENV, apply_vllm_env
+
+# Before vllm is imported: an in-process engine, on the model runner hflow chose (`vllm_env`).
+_REPLACED_ENV = apply_vllm_env()
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -163,7 +164,7 @@ class vLLMRollout(BaseRollout):
             "tensor_parallel_size": tp,
             "distributed_executor_backend": backend,
             "dtype": str(config.dtype),
-            "enforce_eager": _enforce_eager(config.enforce_eager),
+            "enforce_eager": _enforce_eager(config.enforce_eager, bool(config.get("record_routing", False))),
             "max_model_len": max_model_len,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": int(config.max_num_seqs),
@@ -582,12 +583,19 @@ def _remove_stale_cpu_shared_memory() -> None:
         dist.barrier()
 
 
-def _enforce_eager(value: Any) -> bool:
+def _enforce_eager(value: Any, record_routing: bool = False) -> bool:
     """`rollout.enforce_eager`; null = eager on CPU (compiling costs ~20 s of start-up there for no
     speed-up), CUDA graphs and torch.compile on GPU. Graphs survive sleep mode: vLLM's allocator
     re-maps weights and KV cache at the same virtual addresses on wake-up, and `reload_weights`
-    copies into the existing parameter storage."""
-    return not is_cuda() if value is None else bool(value)
+    copies into the existing parameter storage. Recording routing (router replay) is eager on every
+    device: its capture is a host callback in each MoE layer's forward, which neither a CUDA graph's
+    replay nor vLLM's compiled model runs (preflight refuses an explicit false with it)."""
+    if value is None:
+        return record_routing or not is_cuda()
+    if record_routing and not value:
+        raise ValueError("router replay records routing eagerly: rollout.enforce_eager=false cannot be combined "
+                         "with actor.router_replay=true")
+    return bool(value)
 
 
 def _ties_embeddings(hf_config: Any) -> bool:
@@ -637,12 +645,49 @@ def _plain_dict(value: Any) -> dict[str, Any]:
 
 def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
     """An in-process vLLM engine (the rollout's and the generative judge's), without its side effects on the
-    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`)."""
+    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`). On CUDA the
+    caching allocator's free blocks go back to the device first: vLLM sizes the engine from the device's
+    free memory, which blocks the trainer's allocator holds but does not use would otherwise hide. The
+    engine's model runner is checked to be the one hflow chose (`check_model_runner`)."""
     if not is_cuda():
         eager_on_cpu()
-    freeze_gc_heap()
+    freeze_gc_heap()  # (a full collection first: what it frees is then cached blocks, given back below)
+    empty_cache()
     with _preserve_host_state():
-        return LLM(**engine_kwargs)
+        llm = LLM(**engine_kwargs)
+    check_model_runner(llm)
+    return llm
+
+
+_runner_logged = False
+
+
+def check_model_runner(llm: LLM) -> str:
+    """The model runner of `llm`'s workers (`hflow.workers.rollout.vllm_env`: V1 on every device), said once
+    per process in the log; an engine that runs another (an `engine_kwargs.vllm` feature that needs V2) is
+    refused, since router replay's capture, the sleep levels and the reloads were proved on V1 only."""
+    global _runner_logged
+    names = set(llm.collective_rpc(_model_runner_name))
+    v1 = all(name.startswith("V1 ") for name in names)
+    if not v1:
+        raise RuntimeError(f"vLLM built its engine on {sorted(names)}, not the {MODEL_RUNNER} model runner hflow "
+                           f"chose (VLLM_USE_V2_MODEL_RUNNER={VLLM_ENV['VLLM_USE_V2_MODEL_RUNNER']}, "
+                           "hflow.workers.rollout.vllm_env); remove the engine_kwargs.vllm setting that needs V2")
+    described = ", ".join(sorted(names))
+    if not _runner_logged:
+        _runner_logged = True
+        replaced = "".join(f"; replaced the environment's {k}={v}" for k, v in _REPLACED_ENV.items())
+        logger.info("vLLM model runner: %s, chosen by hflow (%s)%s", described,
+                    " ".join(f"{k}={v}" for k, v in VLLM_ENV.items()), replaced)
+    return described
+
+
+def _model_runner_name(worker: Any) -> str:
+    """'V1 <class>' or 'V2 <class>' for one engine worker (runs inside the engine)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    runner = worker.model_runner
+    return f"{'V1' if isinstance(runner, V1Runner) else 'V2'} {type(runner).__module__}.{type(runner).__name__}"
 
 
 def freeze_gc_heap() -> None:
