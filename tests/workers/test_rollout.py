@@ -232,20 +232,6 @@ def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
             vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
 
 
-@pytest.fixture()
-def pretend_cuda(monkeypatch):
-    """The device helper answers 'cuda' (its detection asks torch), for code that only reads the answer."""
-    from hflow.utils import device
-
-    monkeypatch.delenv("HFLOW_DEVICE", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    device._detect.cache_clear()
-    assert device.is_cuda()
-    yield
-    monkeypatch.undo()
-    device._detect.cache_clear()
-
-
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_engine_kwargs_resolve_enforce_eager_per_device_and_pass_max_num_seqs(request, tiny_model_dir, on_gpu):
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
