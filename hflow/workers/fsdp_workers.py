@@ -53,6 +53,8 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
         "timing_s/weight_sync": sync_s,
         "timing_s/generate_worker": time.perf_counter() - started - sync_s,
     }
+    if hasattr(context, "last_sync_bytes"):  # the colocated sync: what it gathered for the engine, per rank
+        output.meta_info["metrics"]["perf/weight_sync_gb"] = context.last_sync_bytes / 1e9
     device.empty_cache()
     return output.to("cpu")
 
@@ -454,8 +456,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
         self._onload(self.actor_module, None, self._offload_param, False)
-        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest,
-                                        iter_full_params(self.actor_module), version)
+        full = iter_full_params(self.actor_module, manifest.float_dtype(), manifest.bucket_bytes)  # gathered as sent
+        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest, full, version)
         self._offload(self.actor_module, None, self._offload_param, False)
         return {"seconds": time.perf_counter() - started, "bytes": float(sent), "collectives": float(broadcasts)}
 
