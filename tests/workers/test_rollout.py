@@ -294,11 +294,12 @@ def test_recording_routing_runs_the_engine_eagerly(request, tiny_model_dir, on_g
 
 
 def test_the_engine_runs_the_chosen_model_runner_and_says_so_once(rollout, caplog):
-    from hflow.workers.rollout import vllm_rollout
+    from hflow.workers.rollout import vllm_env
 
-    vllm_rollout._runner_logged = False
-    with caplog.at_level(logging.INFO, logger=vllm_rollout.__name__):
-        names = [vllm_rollout.check_model_runner(rollout.llm) for _ in range(2)]
+    assert rollout.llm.hflow_model_runner == "V1 vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # checked at build
+    vllm_env._runner_logged = False
+    with caplog.at_level(logging.INFO, logger=vllm_env.__name__):
+        names = [vllm_env.check_model_runner(rollout.llm).hflow_model_runner for _ in range(2)]
     assert names[0] == names[1] == "V1 vllm.v1.worker.cpu_model_runner.CPUModelRunner"
     said = [r.getMessage() for r in caplog.records if "vLLM model runner" in r.getMessage()]
     assert len(said) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in said[0], said

@@ -50,10 +50,9 @@ from hflow.workers.rollout.base import (
     resolve_sampling,
 )
 
-from hflow.workers.rollout.vllm_env import MODEL_RUNNER, VLLM_ENV, apply_vllm_env
+from hflow.workers.rollout.vllm_env import apply_vllm_env, check_model_runner
 
-# Before vllm is imported: an in-process engine, on the model runner hflow chose (`vllm_env`).
-_REPLACED_ENV = apply_vllm_env()
+apply_vllm_env()  # before vllm is imported: an in-process engine, on the model runner hflow chose
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -587,15 +586,11 @@ def _enforce_eager(value: Any, record_routing: bool = False) -> bool:
     """`rollout.enforce_eager`; null = eager on CPU (compiling costs ~20 s of start-up there for no
     speed-up), CUDA graphs and torch.compile on GPU. Graphs survive sleep mode: vLLM's allocator
     re-maps weights and KV cache at the same virtual addresses on wake-up, and `reload_weights`
-    copies into the existing parameter storage. Recording routing (router replay) is eager on every
-    device: its capture is a host callback in each MoE layer's forward, which neither a CUDA graph's
-    replay nor vLLM's compiled model runs (preflight refuses an explicit false with it)."""
-    if value is None:
-        return record_routing or not is_cuda()
-    if record_routing and not value:
-        raise ValueError("router replay records routing eagerly: rollout.enforce_eager=false cannot be combined "
-                         "with actor.router_replay=true")
-    return bool(value)
+    copies into the existing parameter storage. Recording routing (router replay) is eager: its capture
+    is a host callback in each MoE layer's forward, which a CUDA graph's replay does not run."""
+    if record_routing and value is False:  # (preflight's check_moe_settings says so first)
+        raise ValueError("router replay records routing eagerly: it cannot run with rollout.enforce_eager=false")
+    return record_routing or not is_cuda() if value is None else bool(value)
 
 
 def _ties_embeddings(hf_config: Any) -> bool:
@@ -645,49 +640,15 @@ def _plain_dict(value: Any) -> dict[str, Any]:
 
 def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
     """An in-process vLLM engine (the rollout's and the generative judge's), without its side effects on the
-    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`). On CUDA the
-    caching allocator's free blocks go back to the device first: vLLM sizes the engine from the device's
-    free memory, which blocks the trainer's allocator holds but does not use would otherwise hide. The
-    engine's model runner is checked to be the one hflow chose (`check_model_runner`)."""
+    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`); on CUDA after
+    the caching allocator's free blocks went back (vLLM sizes the engine from the device's free memory); on
+    the model runner hflow chose (`check_model_runner`)."""
     if not is_cuda():
         eager_on_cpu()
-    freeze_gc_heap()  # (a full collection first: what it frees is then cached blocks, given back below)
+    freeze_gc_heap()  # (its full collection first: what it frees is given back by empty_cache)
     empty_cache()
     with _preserve_host_state():
-        llm = LLM(**engine_kwargs)
-    check_model_runner(llm)
-    return llm
-
-
-_runner_logged = False
-
-
-def check_model_runner(llm: LLM) -> str:
-    """The model runner of `llm`'s workers (`hflow.workers.rollout.vllm_env`: V1 on every device), said once
-    per process in the log; an engine that runs another (an `engine_kwargs.vllm` feature that needs V2) is
-    refused, since router replay's capture, the sleep levels and the reloads were proved on V1 only."""
-    global _runner_logged
-    names = set(llm.collective_rpc(_model_runner_name))
-    v1 = all(name.startswith("V1 ") for name in names)
-    if not v1:
-        raise RuntimeError(f"vLLM built its engine on {sorted(names)}, not the {MODEL_RUNNER} model runner hflow "
-                           f"chose (VLLM_USE_V2_MODEL_RUNNER={VLLM_ENV['VLLM_USE_V2_MODEL_RUNNER']}, "
-                           "hflow.workers.rollout.vllm_env); remove the engine_kwargs.vllm setting that needs V2")
-    described = ", ".join(sorted(names))
-    if not _runner_logged:
-        _runner_logged = True
-        replaced = "".join(f"; replaced the environment's {k}={v}" for k, v in _REPLACED_ENV.items())
-        logger.info("vLLM model runner: %s, chosen by hflow (%s)%s", described,
-                    " ".join(f"{k}={v}" for k, v in VLLM_ENV.items()), replaced)
-    return described
-
-
-def _model_runner_name(worker: Any) -> str:
-    """'V1 <class>' or 'V2 <class>' for one engine worker (runs inside the engine)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
-
-    runner = worker.model_runner
-    return f"{'V1' if isinstance(runner, V1Runner) else 'V2'} {type(runner).__module__}.{type(runner).__name__}"
+        return check_model_runner(LLM(**engine_kwargs))
 
 
 def freeze_gc_heap() -> None:
