@@ -17,8 +17,9 @@ Arms (hflow's built by the worker's own `_build_trainable` from the trainer's co
        varlen attention), the same losses, fp32 weights under bf16 autocast, fused AdamW
   G0b  G0 again (clock or thermal drift)
 Per arm: the phases' times, the update's MFU (hflow's FLOP count over the real tokens), compiled graphs and
-Dynamo's recompile-limit hits, peak memory beside the memory plan's prediction for the update. The files are
-rewritten after every arm.
+Dynamo's recompile-limit hits, peak memory beside the memory plan's prediction for the update (planned once, in
+a child process given PLAN_TIMEOUT_S: past it the largest token budget is used and the row says so). The files
+are rewritten after every arm.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def make_batch(work: Workload, vocab: int, seed: int = 0):
     return batch, seqlens, int(responses.sum())
 
 
-def workload_config(work: Workload, model_dir: str, cuda: bool):
+def workload_config(work: Workload, model_dir: str, cuda: bool, budget: int | None = None):
     """The trainer's config for the workload: GRPO with the KL loss, two mini-batches per step, the device's
-    defaults resolved as a run resolves them (on CUDA with the memory plan's token budget)."""
+    defaults resolved as a run resolves them (on CUDA with the memory plan's token budget, or `budget`)."""
     from omegaconf import OmegaConf, open_dict
 
     from hflow.trainer.config import default_config
@@ -120,11 +121,45 @@ def workload_config(work: Workload, model_dir: str, cuda: bool):
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": work.sequences // 2,
                "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.shuffle": False,
                "trainer.n_gpus_per_node": 1}
+    if budget is not None and cuda:
+        updates["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = budget
     with open_dict(config):
         for key, value in updates.items():
             OmegaConf.update(config, key, value, merge=False)
         resolve_for_run(config, target="cuda" if cuda else "cpu")
     return config
+
+
+PLAN_TIMEOUT_S = 150.0  # the memory plan of a 1.5B shape took minutes on a loaded CPU: the probe must not wait on it
+
+
+def _plan_in_child(work: Workload, model_dir: str, cuda: bool, queue) -> None:
+    config = workload_config(work, model_dir, cuda)
+    queue.put((int(config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu), *predicted_update_gib(config, cuda)))
+
+
+def planned_defaults(work: Workload, model_dir: str, cuda: bool, log=print):
+    """The workload's config with the device's defaults, and the memory plan's update figure and note: planned
+    in a child process given PLAN_TIMEOUT_S; past it, the largest token budget and no figure (said in the note)."""
+    import multiprocessing
+
+    from omegaconf import open_dict
+
+    from hflow.workers.config import GPU_TOKEN_BUDGETS
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_plan_in_child, args=(work, model_dir, cuda, queue), daemon=True)
+    child.start()
+    child.join(PLAN_TIMEOUT_S)
+    if child.is_alive() or child.exitcode != 0:
+        child.terminate()
+        budget, predicted, note = GPU_TOKEN_BUDGETS[0], None, f"no plan within {PLAN_TIMEOUT_S:.0f} s (exit {child.exitcode})"
+    else:
+        budget, predicted, note = queue.get()
+    log(f"actor_speed gsm8k: token budget {budget}, memory plan: {predicted} GiB ({note})")
+    config = workload_config(work, model_dir, cuda, budget)
+    return config, predicted, note
 
 
 def with_overrides(config, overrides: dict[str, Any]):
@@ -306,9 +341,7 @@ def run(arm_keys: list[str], out: Path, command: str, log=print, budget_s: float
     rows: list[dict[str, Any]] = []
     begun = time.perf_counter()
     # the defaults and the memory plan's figure once: the kernel options and FSDP2 on one rank leave both alone
-    base = workload_config(work, model_dir, cuda)
-    predicted, plan_note = predicted_update_gib(base, cuda)
-    log(f"actor_speed gsm8k: defaults resolved, memory plan: {predicted} GiB ({plan_note})")
+    base, predicted, plan_note = planned_defaults(work, model_dir, cuda, log)
     result = {"environment": environment(), "workload": {**work.model, "sequences": work.sequences,
               "prompt_lengths": work.prompt, "response_lengths": work.response, "tokens": sum(seqlens),
               "response_tokens": response_tokens}, "steps": STEPS, "rows": rows}
