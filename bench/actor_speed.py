@@ -4,6 +4,7 @@ hflow's actor with each speed option on and off (issue 33; design: ../shared/gpu
     python bench/actor_speed.py                      # CUDA: Qwen2.5-1.5B shape, 16 x 1024 tokens (~4 min on an H100)
     python bench/actor_speed.py --device cpu         # a tiny shape on the CPU (plumbing; its numbers mean little)
     python bench/actor_speed.py --arms P0,H0,H1 --out /tmp/speed
+    python bench/actor_speed.py --workload gsm8k     # a GRPO step's training side on GSM8K-like lengths (issue 49)
 
 Per arm: the update (one optimizer step over the batch), the log-prob pass with and without entropy (median
 of `--repeats` after a warm-up, synchronised), peak device memory, one profiled update (GPU: kernels per
@@ -528,6 +529,10 @@ def markdown(result: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--workload", choices=("fixed", "gsm8k"), default="fixed",
+                        help="fixed: one 16 x 1024 batch, the update and log-prob passes (the arms above); gsm8k: a "
+                        "GRPO step's training side on GSM8K-like lengths, KL loss, two mini-batches "
+                        "(bench/actor_speed_gsm8k.py, its own arms)")
     parser.add_argument("--arms", default=None, help=f"comma-separated keys of {[a.key for a in ARMS]} "
                         f"(default: all on CUDA, {CPU_ARMS} on CPU)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
@@ -549,6 +554,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.workload == "gsm8k":
+        import actor_speed_gsm8k as gsm8k
+
+        keys = [k.strip() for k in (args.arms or ",".join(a.key for a in gsm8k.ARMS)).split(",") if k.strip()]
+        unknown = [k for k in keys if k not in {a.key for a in gsm8k.ARMS}]
+        if unknown:
+            parser.error(f"unknown gsm8k arms {unknown}; known: {[a.key for a in gsm8k.ARMS]}")
+        out = Path(args.out or REPO / "bench" / "results" / f"actor_speed_gsm8k_{args.device}")
+        out.mkdir(parents=True, exist_ok=True)
+        command = ("python bench/actor_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+        result = gsm8k.run(keys, out, command, log=lambda m: print(m, file=sys.stderr, flush=True),
+                           budget_s=args.budget_s)
+        print(gsm8k.markdown(result, command))
+        return 1 if any(r["status"] == "ERROR" for r in result["rows"]) else 0
     keys = [k.strip() for k in (args.arms or (",".join(a.key for a in ARMS) if args.device == "cuda" else CPU_ARMS)
                                 ).split(",") if k.strip()]
     unknown = [k for k in keys if k not in {a.key for a in ARMS}]

@@ -6,8 +6,11 @@
 #      .gpu_wheels/ (filled beforehand, where there is internet, by scripts/gpu_wheels.sh), offline,
 #      into the environment of that Python, whose own torch it uses;
 #   3. runs the tests marked `gpu` (pytest -m gpu);
-#   4. runs bench/actor_speed.py (hflow's actor against a plain-torch loop, arm by arm: ~4 min on an H100),
-#      which writes <results>/actor_speed_<gpu>/actor_speed.md and .json after every arm, then
+#   4. runs bench/actor_speed.py --workload gsm8k (a GRPO step's training side on GSM8K-like lengths, arm by
+#      arm: the CUDA defaults, FSDP2 forced, compile, Liger, the plain loop; written to
+#      <results>/actor_speed_gsm8k_<gpu>/) and bench/actor_speed.py (hflow's actor against a plain-torch loop,
+#      arm by arm: ~4 min on an H100), which writes <results>/actor_speed_<gpu>/actor_speed.md and .json after
+#      every arm, then
 #      bench/gpu_check.py parts a, b, d, which write <results>/gpu_check.md (device, versions, learning on the
 #      built-in task, log-prob parity, log-prob/entropy memory) and fail if a part fails. The speed table
 #      comes first: it is what a lent GPU is for, and a run cut short by the device's limit keeps it.
@@ -80,8 +83,13 @@ rm -f "$tests_log"
 gpu=$("$python" -c 'import torch; print((torch.cuda.get_device_name(0).replace("NVIDIA", "").split() or ["gpu"])[0].lower())' 2>/dev/null || echo gpu)
 budget=()
 [[ -n ${ACTOR_SPEED_BUDGET_S:-} ]] && budget=(--budget-s "$ACTOR_SPEED_BUDGET_S")
+# The GRPO step's training side on GSM8K-like lengths first (issue 49's probe of the CUDA defaults, ~6 min on
+# an H200), then the fixed-shape arms.
+"$python" bench/actor_speed.py --workload gsm8k --out "$results/actor_speed_gsm8k_${gpu}" "${budget[@]}"
+gsm8k_rc=$?
 "$python" bench/actor_speed.py --out "$results/actor_speed_${gpu}" "${budget[@]}"
 speed_rc=$?
+(( gsm8k_rc == 0 )) || speed_rc=$gsm8k_rc
 parts=(--parts a,b,d)
 [[ " $* " == *" --parts "* ]] && parts=()
 "$python" bench/gpu_check.py "${parts[@]}" --out "$results/gpu_check.md" --tests-rc "$tests_rc" \

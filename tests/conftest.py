@@ -53,3 +53,19 @@ def fsdp_on_one_rank(monkeypatch):
     from hflow.workers.fsdp import sharding
 
     monkeypatch.setattr(sharding, "fsdp_needed", lambda *args, **kwargs: True)
+
+
+@pytest.fixture()
+def pretend_cuda(monkeypatch):
+    """The device helper answers 'cuda' (its detection asks torch), for code that only reads the answer."""
+    import torch
+
+    from hflow.utils import device
+
+    monkeypatch.delenv("HFLOW_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device._detect.cache_clear()
+    assert device.is_cuda()
+    yield
+    monkeypatch.undo()
+    device._detect.cache_clear()

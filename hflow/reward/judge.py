@@ -22,6 +22,8 @@ from typing import Any
 
 __all__ = [
     "PARSERS",
+    "check_sleep_mode_engines",
+    "judge_has_own_process",
     "default_template",
     "parse_number",
     "question_text",
@@ -102,9 +104,10 @@ def reference_text(reward_model_entry: Any) -> str | None:
     return None
 
 
-def check_judge_config(config: Any) -> None:
+def check_judge_config(config: Any, run_config: Any = None) -> None:
     """`reward_model.style` and, for a generative judge, its parser and score range (preflight and the
-    worker both apply it, so a wrong key stops the run before any model loads)."""
+    worker both apply it, so a wrong key stops the run before any model loads); given the whole
+    `run_config` (preflight), also the process the judge's engine would share (`check_sleep_mode_engines`)."""
     from hflow.config_schema import check_choice, check_lower_upper
 
     check_choice(str(config.style), STYLES, "reward_model.style")
@@ -113,3 +116,40 @@ def check_judge_config(config: Any) -> None:
     judge = config.judge
     check_choice(str(judge.parser), PARSERS, "reward_model.judge.parser")
     check_lower_upper(judge.score_min, judge.score_max, "reward_model.judge.score_min", "reward_model.judge.score_max")
+    if run_config is not None:
+        check_sleep_mode_engines(run_config)
+
+
+def judge_has_own_process(config: Any) -> bool:
+    """Whether the generative judge runs in worker processes of its own: with `trainer.backend=ray` it does,
+    one on each device of the training pool, beside (not inside) the process of the actor and its rollout
+    engine, since vLLM's sleep mode serves one engine per process; `local` has the driver's process only."""
+    rm = config.reward_model
+    return bool(rm.enable) and str(rm.style) == "generative" and str(config.trainer.backend) == "ray"
+
+
+def check_sleep_mode_engines(config: Any) -> None:
+    """No process may hold two sleep-mode vLLM engines. Sleep mode (CUDA, `free_cache_engine`) allocates an
+    engine's weights and KV cache through vLLM's process-wide CuMem allocator, which serves one engine per
+    process: vLLM's GPU worker asserts it when a second engine loads its weights. Only the local backend
+    puts the rollout's engine and the judge's in one process (on Ray the judge has its own: `judge_has_own_process`);
+    on CPU there is no sleep mode, and two engines share a process as any two objects do."""
+    from hflow.config_schema import ConfigError
+    from hflow.utils.device import is_cuda
+
+    if not is_cuda() or judge_has_own_process(config):
+        return
+    rollout, rm = config.actor_rollout_ref.rollout, config.reward_model
+    engines = []
+    if rollout.name == "vllm" and rollout.free_cache_engine and config.trainer.placement == "colocate":
+        engines.append("the rollout's (actor_rollout_ref.rollout.name=vllm, "
+                       "actor_rollout_ref.rollout.free_cache_engine=true)")
+    if rm.enable and str(rm.style) == "generative" and rm.judge.free_cache_engine:
+        engines.append("the judge's (reward_model.style=generative, reward_model.judge.free_cache_engine=true)")
+    if len(engines) > 1:
+        raise ConfigError(
+            f"trainer.backend={config.trainer.backend} puts two sleep-mode vLLM engines in one process: "
+            f"{' and '.join(engines)}. vLLM's sleep mode serves one engine per process. Set trainer.backend=ray "
+            "(the judge then runs in a process of its own on the same devices), or "
+            "reward_model.judge.free_cache_engine=false (the judge keeps its memory between uses), or "
+            "actor_rollout_ref.rollout.free_cache_engine=false")

@@ -24,13 +24,15 @@ from hflow.trainer.config import SCHEMAS, validate_config
 from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env
+from hflow.workers.rollout.vllm_env import VLLM_ENV
 
 
-# Environment every worker process starts with: in-process vLLM engines (the hybrid engine shares the
-# worker's torch.distributed world), quiet tokenizers. Whatever depends on a worker's device is decided
-# in the worker, which knows it; the driver may sit on a node without one.
+# Environment every worker process starts with: in-process vLLM engines on the model runner hflow chose
+# (`VLLM_ENV`: the hybrid engine shares the worker's torch.distributed world), quiet tokenizers. Whatever
+# depends on a worker's device is decided in the worker, which knows it; the driver may sit on a node
+# without one.
 WORKER_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    **VLLM_ENV,
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARN",
     "NCCL_DEBUG": "WARN",

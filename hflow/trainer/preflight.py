@@ -190,7 +190,7 @@ def preflight_check(config: DictConfig) -> None:
         run(check_model_path, config.reward_model.model.path, "reward_model.model.path")
         from hflow.reward.judge import check_judge_config
 
-        run(check_judge_config, config.reward_model)
+        run(check_judge_config, config.reward_model, config)  # (and the process its engine would share)
     run(check_reward_model_settings, config.reward_model)
     if model_ok:
         run(check_reward_shaping, config)

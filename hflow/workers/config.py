@@ -39,6 +39,7 @@ from hflow.config_schema import (
     ref,
 )
 from hflow.workers.rollout.config import (
+    WEIGHT_BUCKET_MB,
     RolloutConfig,
     check_admission,
     check_rollout_name,
@@ -349,6 +350,8 @@ def resolve_device_defaults(arr: Any, cuda: bool, token_budget: int | None = Non
         if section is not None:  # interpolations already resolved (a worker's copy): the followers are null too
             fill(section, "log_prob_use_dynamic_bsz", dynamic, f"actor_rollout_ref.{name}")
             fill(section, "log_prob_max_token_len_per_gpu", tokens, f"actor_rollout_ref.{name}")
+    if arr.get("rollout") is not None:
+        fill(arr.rollout, "weight_bucket_mb", WEIGHT_BUCKET_MB["cuda" if cuda else "cpu"], "actor_rollout_ref.rollout")
     if critic is not None:
         fill(critic.model, "use_remove_padding", bool(arr.model.use_remove_padding), "critic.model")
         fill(critic, "use_dynamic_bsz", dynamic, "critic")

@@ -30,6 +30,7 @@ from hflow.workers.common import load_tokenizer, memory_metrics
 from hflow.workers.config import normalize_actor_rollout_ref, normalize_reward_model
 from hflow.workers.critic.config import normalize_critic
 from hflow.workers.fsdp.checkpoint import FSDPCheckpointManager, save_hf_model
+from hflow.workers.fsdp.kernels import compile_metrics
 from hflow.workers.fsdp.lora import add_lora
 from hflow.workers.weight_sync import WeightGroup, WeightManifest, manifest_of, send_weights
 
@@ -53,6 +54,8 @@ def generate_with(rollout, context, prompts: DataProto, generation_config, token
         "timing_s/weight_sync": sync_s,
         "timing_s/generate_worker": time.perf_counter() - started - sync_s,
     }
+    if hasattr(context, "last_sync_bytes"):  # the colocated sync: what it gathered for the engine, per rank
+        output.meta_info["metrics"]["perf/weight_sync_gb"] = context.last_sync_bytes / 1e9
     device.empty_cache()
     return output.to("cpu")
 
@@ -98,7 +101,7 @@ class FSDPModelHolder:
     """What the actor and the critic share: a model in FSDP2, its optimizer, scheduler and checkpoints."""
 
     def _build_trainable(self, module: torch.nn.Module, fsdp_config: DictConfig, optim_config: DictConfig,
-                         gradient_checkpointing: bool, train: bool, fp32_modules=(), kernels=None):
+                         gradient_checkpointing: bool, train: bool, fp32_modules=(), kernels=None, role="model"):
         """`kernels`: the model section whose `use_liger` / `use_torch_compile` apply (actor, ref and critic alike)."""
         from hflow.workers import fsdp
         from hflow.workers.fsdp.kernels import apply_kernel_options
@@ -107,7 +110,7 @@ class FSDPModelHolder:
         cpu_offload = fsdp_config.offload_policy
         if kernels is not None:  # before sharding: FSDP2 wraps the patched / compiled layers
             apply_kernel_options(module, use_liger=bool(kernels.get("use_liger")),
-                                 use_torch_compile=bool(kernels.get("use_torch_compile")))
+                                 use_torch_compile=bool(kernels.get("use_torch_compile")), role=role)
         with fsdp.weights_from_rank0(module, cpu_offload=cpu_offload):
             if gradient_checkpointing:
                 fsdp.enable_gradient_checkpointing(module)
@@ -248,7 +251,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             self.actor_module, self.actor_optimizer, self.actor_lr_scheduler = self._build_trainable(
                 module, actor_fsdp, self.config.actor.optim,
                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
-                train=self._is_actor, kernels=model_cfg,
+                train=self._is_actor, kernels=model_cfg, role="actor",
             )
         self.ptx_sampler = self.actor_ema = None
         if self._is_actor:
@@ -292,7 +295,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             )
             self.ref_module, _, _ = self._build_trainable(
                 ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False,
-                kernels=model_cfg)
+                kernels=model_cfg, role="ref")
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
         self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),
                       self._offload_param, self._offload_optim)
@@ -424,7 +427,7 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
             metrics["perf/mfu/actor"] = mfu
         metrics["actor/lr"] = self.actor_lr_scheduler.get_last_lr()[0]
         self.actor_lr_scheduler.step()
-        metrics.update(memory_metrics())
+        metrics.update({**memory_metrics(), **compile_metrics()})  # (compile: this process's roles, e.g. the ref's)
         self._offload(self.actor_module, self.actor_optimizer, self._offload_param, self._offload_optim)
         return DataProto(meta_info={"metrics": metrics})
 
@@ -454,8 +457,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         self._require(self._is_actor, "send_weights", "actor")
         started = time.perf_counter()
         self._onload(self.actor_module, None, self._offload_param, False)
-        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest,
-                                        iter_full_params(self.actor_module), version)
+        full = iter_full_params(self.actor_module, manifest.float_dtype(), manifest.bucket_bytes)  # gathered as sent
+        sent, broadcasts = send_weights(getattr(self, "_weight_group", None), manifest, full, version)
         self._offload(self.actor_module, None, self._offload_param, False)
         return {"seconds": time.perf_counter() - started, "bytes": float(sent), "collectives": float(broadcasts)}
 
@@ -540,7 +543,7 @@ class CriticWorker(Worker, FSDPModelHolder):
             module, fsdp_cfg, self.config.optim,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing, train=True,
             fp32_modules=[module.score],  # values (and the GAE built on them) in fp32, not bf16
-            kernels=model_cfg)
+            kernels=model_cfg, role="critic")
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer,

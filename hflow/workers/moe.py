@@ -209,3 +209,7 @@ def check_moe_settings(config: Any) -> None:
             if on:
                 raise ConfigError(f"{prefix}.router_replay=true records routing only for one-turn generation under "
                                   f"one policy; it cannot be combined with {key} yet")
+        if rollout.name == "vllm" and rollout.enforce_eager is False:
+            raise ConfigError(f"{prefix}.router_replay=true records routing with a host callback in every MoE layer's "
+                              "forward, which CUDA graphs and vLLM's compiled model do not run: leave "
+                              "actor_rollout_ref.rollout.enforce_eager null (eager while recording) or set it true")

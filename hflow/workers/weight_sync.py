@@ -7,13 +7,16 @@ own that spans both: the training pool's rank 0 (group rank 0) and every rollout
 
 One update is a sequence of broadcasts from group rank 0, one per bucket of the `WeightManifest`, in
 its order. A bucket packs consecutive tensors, as raw bytes, into one buffer of at most
-`actor_rollout_ref.rollout.weight_bucket_mb` (a tensor larger than that goes alone, as itself; null: every
-tensor alone), so a model of many small tensors costs a few collectives instead of one per tensor. Both
-sides derive the same buckets from the manifest. On the training side every rank all-gathers each FSDP
-parameter (a collective of the training world) and rank 0 copies it into the bucket, broadcasting it when
-the next tensor would not fit; on the rollout side each rank receives one bucket at a time and hands its
-tensors (views into it) straight to vLLM's `reload_weights`. No rank holds more than one bucket and one
-full tensor beside its own weights, and nothing touches the disk.
+`actor_rollout_ref.rollout.weight_bucket_mb` (a tensor larger than that goes alone, as itself; null: by
+device, GPU-sized on CUDA), so a model of many small tensors costs a few collectives instead of one per
+tensor. Both sides derive the same buckets from the manifest. On the training side every rank all-gathers
+the FSDP shards, cast to the engines' dtype, a bucket of them per collective (`hflow.workers.fsdp.gather`),
+and rank 0 copies each full tensor into the bucket, broadcasting it when the next tensor would not fit;
+on the rollout side each rank receives one bucket at a time and hands its tensors (views into it) straight
+to vLLM's `reload_weights`. Broadcasts overlap the work beside them: the sender gathers and packs bucket
+k + 1 while bucket k is on the wire, and a receiver has bucket k + 1 arriving while its engine loads
+bucket k, so each side holds at most two buckets (and the gathered tensors of one) beside its own
+weights, and nothing touches the disk.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class WeightManifest:
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
     bucket_bytes: int | None = None
+
+    def float_dtype(self) -> torch.dtype | None:
+        """The dtype floating-point tensors travel in (the engines'), None when none does."""
+        return next((getattr(torch, d) for _, _, d in self.entries if getattr(torch, d).is_floating_point), None)
 
     def buckets(self) -> list[list[tuple[int, int]]]:
         """The broadcasts of one update: per bucket, (entry index, byte offset) of each tensor in it, in the
@@ -123,9 +130,13 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """`tensor` from the sender into every other member's `tensor`, in place."""
+        self.start_broadcast(tensor).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """`broadcast`, started: `.wait()` on the result before `tensor` is read (receiver) or reused (sender)."""
         options = dist.BroadcastOptions()
         options.rootRank = SENDER
-        self._group.broadcast([tensor], options).wait()
+        return self._group.broadcast([tensor], options)
 
 
 def manifest_of(named_shapes: Iterable[tuple[str, torch.Size, torch.dtype]], dtype: torch.dtype,
@@ -158,6 +169,7 @@ def send_weights(group: WeightGroup | None, manifest: WeightManifest,
         group.announce(version)
     sent = broadcasts = 0
     tensors = iter(named_tensors)
+    in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # on the wire while the next bucket is gathered, packed
     for bucket in manifest.buckets():
         packed = None
         for index, offset in bucket:
@@ -179,9 +191,13 @@ def send_weights(group: WeightGroup | None, manifest: WeightManifest,
             chunk = as_bytes(wire)
             packed[offset:offset + chunk.numel()].copy_(chunk)
         if group is not None:
-            group.broadcast(packed)
+            in_flight.append((group.start_broadcast(packed), packed))  # the buffer kept until its work is done
+            if len(in_flight) > 1:
+                in_flight.pop(0)[0].wait()
             sent += packed.numel() * packed.element_size()
             broadcasts += 1
+    for work, _ in in_flight:
+        work.wait()
     if next(tensors, None) is not None:
         raise RuntimeError("the model yielded more tensors than its weight manifest lists")
     return sent, broadcasts
@@ -192,15 +208,25 @@ def receive_weights(group: WeightGroup, manifest: WeightManifest) -> Iterator[tu
     the bucket's first tensor; the tensors of a bucket are views into its buffer. A consumer that stops
     early must `drain` the rest (see `StreamedWeights`), or the sender waits forever."""
     target = device.get_device()
-    for bucket in manifest.buckets():
+
+    def start(bucket: list[tuple[int, int]]) -> tuple[dist.Work, torch.Tensor]:
         if len(bucket) == 1:
-            name, shape, dtype = manifest.entries[bucket[0][0]]
+            _, shape, dtype = manifest.entries[bucket[0][0]]
             buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=target)
-            group.broadcast(buffer)
-            yield name, buffer
+        else:
+            buffer = torch.empty(bucket_size(bucket, manifest), dtype=torch.uint8, device=target)
+        return group.start_broadcast(buffer), buffer
+
+    buckets = manifest.buckets()
+    coming = start(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        work, packed = coming
+        work.wait()
+        # the next bucket arrives while the consumer loads this one
+        coming = start(buckets[i + 1]) if i + 1 < len(buckets) else None
+        if len(bucket) == 1:
+            yield manifest.entries[bucket[0][0]][0], packed
             continue
-        packed = torch.empty(bucket_size(bucket, manifest), dtype=torch.uint8, device=target)
-        group.broadcast(packed)
         for index, offset in bucket:
             name, shape, dtype = manifest.entries[index]
             size = entry_bytes(shape, dtype)

@@ -2,12 +2,15 @@
 tiny arithmetic judge's held-out agreement (bench/results/generative_judge.md records the measurement)."""
 
 import gc
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from omegaconf import OmegaConf
 
 from hflow.config_schema import ConfigError
 
@@ -186,3 +189,53 @@ def test_grpo_learns_the_builtin_task_from_the_judge_alone(judge_assets, tmp_pat
     curve = validation_curve(records)
     assert curve[0] <= 0.2 and curve[4] >= 0.6 and curve[6] >= 0.8, curve
     assert any("val-aux/hflow/arithmetic/rm_score/mean@1" in r for r in records)  # the judge really scored
+
+
+def test_on_ray_the_judge_runs_in_a_process_of_its_own_on_the_actors_devices(ray_session, judge_assets, tmp_path):
+    """`trainer.backend=ray`: the judge's engine lives in a worker process beside the actor's (same bundle of
+    the same placement group, half of its resources each), never in the process of the actor's own engine,
+    since two sleep-mode engines cannot share a process on CUDA; a training step is scored by it."""
+    import os
+
+    import ray
+
+    from hflow.tasks.defaults import fill_builtin_defaults
+    from hflow.trainer.config import validate_config
+    from hflow.trainer.main_ppo import build_trainer
+    from hflow.trainer.memory.defaults import resolve_for_run
+    from hflow.trainer.preflight import preflight_check
+
+    config = default_config()
+    settings = {"algorithm.adv_estimator": "grpo", "trainer.n_gpus_per_node": 1, "trainer.total_training_steps": 1,
+                "trainer.val_before_train": False, "trainer.test_freq": 10, "trainer.logger": ["jsonl"],
+                "trainer.log_dir": str(tmp_path / "logs"), "trainer.default_local_dir": str(tmp_path / "ckpt"),
+                "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
+                "actor_rollout_ref.rollout.kv_cache_memory_bytes": 32 * 2**20,
+                "reward_model.enable": True, "reward_model.style": "generative",
+                "reward_model.model.path": str(judge_assets.model_path)}
+    for key, value in settings.items():
+        OmegaConf.update(config, key, value, merge=False)
+    config = validate_config(config)
+    fill_builtin_defaults(config, frozenset(settings))
+    resolve_for_run(config)
+    preflight_check(config)
+    trainer = build_trainer(config)
+    try:
+        trainer.init_workers()
+
+        def where(group):
+            return ray.get([w.__ray_call__.remote(lambda self: (
+                os.getpid(), ray.get_runtime_context().get_placement_group_id(),
+                ray.get_runtime_context().get_assigned_resources())) for w in group.workers])
+
+        (actor_pid, actor_pg, actor_res), = where(trainer.actor_rollout_wg)
+        (judge_pid, judge_pg, judge_res), = where(trainer.rm_wg)
+        assert judge_pid != actor_pid and judge_pg == actor_pg  # another process, the same bundle
+        assert actor_res.get("CPU") == judge_res.get("CPU") == 0.5  # the bundle's one CPU (a GPU: one GPU) halved
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    records = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    step = next(r for r in records if "critic/score/mean" in r)
+    assert step["perf/weight_sync_gb"] > 0  # the colocated sync reports what it gathered

@@ -49,6 +49,26 @@ def test_the_base_config_passes(files):
     preflight_check(make_config(files, "algorithm.adv_estimator=grpo"))
 
 
+def test_two_sleep_mode_engines_never_share_a_process(files, pretend_cuda, monkeypatch):
+    """On CUDA the rollout's and the judge's engines both sleep (vLLM's one-engine-per-process CuMem
+    allocator): the local backend, one process for both, is refused naming the keys; on Ray the judge has
+    a process of its own, and a judge without sleep mode may share."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the node the config names
+    judge = ["reward_model.enable=true", "reward_model.style=generative", f"reward_model.model.path={files / 'model'}"]
+    judge.append("trainer.memory_plan=off")  # (it would ask the pretended GPU its memory)
+    local = ["trainer.backend=local", "trainer.n_gpus_per_node=1"]
+    with pytest.raises(ConfigError) as refused:
+        preflight_check(make_config(files, *judge, *local))
+    for key in ("trainer.backend=local", "actor_rollout_ref.rollout.free_cache_engine=true",
+                "reward_model.judge.free_cache_engine=true", "trainer.backend=ray"):
+        assert key in str(refused.value), str(refused.value)
+    preflight_check(make_config(files, *judge))  # Ray: the judge in its own processes
+    preflight_check(make_config(files, *judge, *local, "reward_model.judge.free_cache_engine=false"))
+    preflight_check(make_config(files, *judge, *local, "actor_rollout_ref.rollout.name=hf"))  # no rollout engine
+
+
 INVALID = [
     (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      ["data.train_batch_size", "actor_rollout_ref.rollout.n", "n_gpus_per_node"]),

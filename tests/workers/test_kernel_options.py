@@ -209,6 +209,7 @@ def test_cpu_keeps_padded_micro_batches_by_count(builtin_config):
     assert arr.model.use_remove_padding is False and arr.actor.use_dynamic_bsz is False
     assert arr.actor.ppo_max_token_len_per_gpu == 16384
     assert arr.rollout.log_prob_use_dynamic_bsz is False and config.critic.use_dynamic_bsz is False
+    assert arr.rollout.weight_bucket_mb == 16.0  # the weight sync's bucket, as measured on CPU
 
 
 def test_pretend_80gb_gpu_gets_token_budgets_the_memory_plan_fits(builtin_config, capsys):
@@ -224,6 +225,7 @@ def test_pretend_80gb_gpu_gets_token_budgets_the_memory_plan_fits(builtin_config
     assert arr.actor.ppo_max_token_len_per_gpu == GPU_TOKEN_BUDGETS[0] >= 16384
     assert arr.ref.log_prob_max_token_len_per_gpu == GPU_TOKEN_BUDGETS[0]
     assert config.critic.model.use_remove_padding is True
+    assert arr.rollout.weight_bucket_mb == 1024.0  # GPU-sized buckets for the weight sync
     assert "device defaults (cuda" in capsys.readouterr().out
     # A device too small for the largest budget's passes but big enough for the next: the plan decides.
     figures = {}

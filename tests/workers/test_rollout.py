@@ -9,6 +9,7 @@ prompts a missing prefix-cache reset after a weight update would go unnoticed.
 from __future__ import annotations
 
 import gc
+import logging
 import random
 from pathlib import Path
 
@@ -231,20 +232,6 @@ def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
             vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
 
 
-@pytest.fixture()
-def pretend_cuda(monkeypatch):
-    """The device helper answers 'cuda' (its detection asks torch), for code that only reads the answer."""
-    from hflow.utils import device
-
-    monkeypatch.delenv("HFLOW_DEVICE", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    device._detect.cache_clear()
-    assert device.is_cuda()
-    yield
-    monkeypatch.undo()
-    device._detect.cache_clear()
-
-
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_engine_kwargs_resolve_enforce_eager_per_device_and_pass_max_num_seqs(request, tiny_model_dir, on_gpu):
     from hflow.workers.rollout.vllm_rollout import vLLMRollout
@@ -261,6 +248,61 @@ def test_engine_kwargs_resolve_enforce_eager_per_device_and_pass_max_num_seqs(re
     for explicit in (True, False):
         config = rollout_config(enforce_eager=explicit)
         assert vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)["enforce_eager"] is explicit
+
+
+def test_on_cuda_the_workers_pin_vllms_v1_model_runner(pretend_cuda, monkeypatch, tmp_path):
+    """vLLM 0.32 picks its Model Runner V2 by itself on a CUDA machine with Triton; hflow's workers start with
+    VLLM_USE_V2_MODEL_RUNNER=0 (Ray's runtime_env and the local backend's process alike), under which vLLM's
+    own selection gives V1, the runner the CPU engines run (and routing capture reads)."""
+    import os
+
+    import vllm.envs
+    from vllm.config import VllmConfig
+    from vllm.config import vllm as vllm_config_module
+
+    from hflow.trainer.main_ppo import WORKER_ENV, start_backend
+
+    vllm.envs.disable_envs_cache()  # an engine built earlier in this process froze the environment's values
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # as on a GPU machine
+    for key in WORKER_ENV:  # as a fresh worker process has them (and put back after the test)
+        monkeypatch.delenv(key, raising=False)
+    vllm_config = VllmConfig()
+    assert vllm_config.use_v2_model_runner  # vLLM's own choice on CUDA: V2
+    assert WORKER_ENV["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # what every Ray worker starts with
+    config = default_config()
+    config.trainer.backend = "local"
+    start_backend(config)  # the local backend: this process's environment
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert not vllm_config.use_v2_model_runner  # vLLM now selects V1
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_recording_routing_runs_the_engine_eagerly(request, tiny_model_dir, on_gpu):
+    """Router replay's capture is a host callback in every MoE layer's forward: no CUDA graphs or compiled
+    model while recording, on either device (an explicit enforce_eager=false with it is refused)."""
+    from hflow.workers.rollout.vllm_rollout import vLLMRollout
+
+    if on_gpu:
+        request.getfixturevalue("pretend_cuda")
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    config = rollout_config(enforce_eager=None)
+    OmegaConf.update(config, "record_routing", True, force_add=True)
+    assert vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)["enforce_eager"] is True
+    config.enforce_eager = False
+    with pytest.raises(ValueError, match="enforce_eager=false"):
+        vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
+
+
+def test_the_engine_runs_the_chosen_model_runner_and_says_so_once(rollout, caplog):
+    from hflow.workers.rollout import vllm_env
+
+    assert rollout.llm.hflow_model_runner == "V1 vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # checked at build
+    vllm_env._runner_logged = False
+    with caplog.at_level(logging.INFO, logger=vllm_env.__name__):
+        names = [vllm_env.check_model_runner(rollout.llm).hflow_model_runner for _ in range(2)]
+    assert names[0] == names[1] == "V1 vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    said = [r.getMessage() for r in caplog.records if "vLLM model runner" in r.getMessage()]
+    assert len(said) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in said[0], said
 
 
 def test_engine_build_leaves_host_rng_alone(engine_build):
@@ -674,3 +716,20 @@ def test_routed_later_batch_waits_for_its_weights_loaded_once_nothing_runs(rollo
         assert set(output.batch["rollout_versions"][mask].tolist()) == {version}, batch
         old, new = check_versions_and_log_probs(output, hf_model, new_model, mask)
         assert (old, new) == ((int(mask.sum()), 0) if version == 0 else (0, int(mask.sum())))
+
+
+def test_preflight_refuses_router_replay_with_a_compiled_engine(tmp_path):
+    import json
+
+    from hflow.config_schema import ConfigError
+    from hflow.workers.moe import check_moe_settings
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                      "num_experts_per_tok": 2}))
+    config = default_config()
+    config.actor_rollout_ref.model.path = str(tmp_path)
+    config.actor_rollout_ref.actor.router_replay = True
+    check_moe_settings(config)  # enforce_eager null: eager while recording
+    config.actor_rollout_ref.rollout.enforce_eager = False
+    with pytest.raises(ConfigError, match="rollout.enforce_eager"):
+        check_moe_settings(config)

@@ -21,14 +21,14 @@ WEIGHTS = {
 
 
 def counted(group: WeightGroup, counts: list[int]) -> WeightGroup:
-    """`group`, counting its broadcasts (the collectives of the stream) into `counts`."""
-    broadcast = group.broadcast
+    """`group`, counting its broadcasts (the collectives of the stream) into `counts` as they start."""
+    start = group.start_broadcast
 
     def counting(tensor):
         counts.append(tensor.numel() * tensor.element_size())
-        broadcast(tensor)
+        return start(tensor)
 
-    group.broadcast = counting
+    group.start_broadcast = counting
     return group
 
 
@@ -119,6 +119,74 @@ def test_a_bucketed_stream_arrives_bitwise_equal_in_one_collective_per_bucket(bu
             assert got[name].dtype == wire.dtype and got[name].shape == wire.shape, name
             assert torch.equal(got[name].view(torch.uint8), wire.view(torch.uint8)), name  # bitwise
     assert sent_bytes == sum(collectives[1])
+
+
+def test_the_sender_gathers_the_next_bucket_while_this_one_is_on_the_wire():
+    """Three buckets (600 B, fp32): the sender waits for bucket k's broadcast only after it has gathered and
+    packed bucket k + 1, and once at the end for the last."""
+    events = []
+
+    def gathering():
+        for name, tensor in WEIGHTS.items():
+            events.append(("gather", name))
+            yield name, tensor
+
+    class Recorded:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.work.wait()
+
+    original = WeightGroup.start_broadcast
+
+    def start(self, tensor):
+        work = original(self, tensor)
+        if self.rank != 0:
+            return work
+        index = sum(kind == "start" for kind, _ in events)
+        events.append(("start", index))
+        return Recorded(work, index)
+
+    WeightGroup.start_broadcast = start
+    try:
+        _, received, errors = _run_group(1, torch.float32, gathering(), bucket_bytes=600)
+    finally:
+        WeightGroup.start_broadcast = original
+    assert not errors, errors
+    assert events == [("gather", "model.embed_tokens.weight"), ("start", 0), ("gather", "model.layers.0.mlp.up_proj.weight"),
+                      ("start", 1), ("wait", 0), ("gather", "model.norm.weight"), ("gather", "model.odd"),
+                      ("gather", "model.step"), ("start", 2), ("wait", 1), ("wait", 2)], events
+    assert all(torch.equal(received[0][n], t) for n, t in WEIGHTS.items())
+
+
+def test_a_receiver_posts_the_next_bucket_before_its_loader_takes_this_one():
+    seen = []
+
+    def receiving(group, manifest, counts):
+        for name, _ in StreamedWeights(counted(group, counts), manifest):
+            seen.append((name, len(counts)))
+
+    manifest = dataclasses.replace(manifest_of([(n, t.shape, t.dtype) for n, t in WEIGHTS.items()], torch.float32),
+                                   bucket_bytes=600)
+    port = get_free_port()
+    errors = []
+
+    def sender():
+        try:
+            send_weights(WeightGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=30), manifest,
+                         list(WEIGHTS.items()))
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    receiving(WeightGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=30), manifest, [])
+    thread.join(timeout=60)
+    assert not errors, errors
+    assert [n for n, _ in seen] == list(WEIGHTS)
+    assert [c for _, c in seen] == [2, 3, 3, 3, 3]  # the embedding handed over with up_proj already posted
 
 
 def test_a_bucket_size_must_be_positive():

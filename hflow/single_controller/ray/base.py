@@ -224,12 +224,25 @@ class RayWorkerGroup(WorkerGroup):
         return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
                    worker_names=worker_names, worker_handles=worker_handles)
 
+    def beside(self, cls_with_init: ClassWithInitArgs, name_prefix: str | None = None) -> "RayWorkerGroup":
+        """Another group of processes on this group's devices, one per bundle of its pool (which must allow
+        `max_colocate_count` processes per device): the same ranks and devices, a torch.distributed world of
+        its own. This group's `shutdown` releases the pool; the other's kills only its own actors."""
+        if self._resource_pool is None or self._resource_pool.max_colocate_count < 2:
+            raise ValueError("a group beside another needs a resource pool with max_colocate_count >= 2")
+        group = RayWorkerGroup(self._resource_pool, cls_with_init, name_prefix=name_prefix)
+        group._owns_pool = False
+        return group
+
+    _owns_pool = True
+
     def shutdown(self) -> None:
-        """Kill this group's actors (views made by `spawn` share them) and release its resource pool."""
+        """Kill this group's actors (views made by `spawn` share them) and release its resource pool (unless
+        the group was made `beside` another, whose pool it is)."""
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []
-        if isinstance(self._resource_pool, RayResourcePool):
+        if self._owns_pool and isinstance(self._resource_pool, RayResourcePool):
             self._resource_pool.remove()
 
     # ------------------------------------------------------------------ execution

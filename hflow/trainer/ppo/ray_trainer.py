@@ -31,6 +31,7 @@ from hflow.algorithms.config import rollout_mask_bands, rollout_mask_on
 from hflow.reward import dynamic_sampling as dapo
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.batch_scorer import BatchScorer, response_mask as compute_response_mask
+from hflow.reward.judge import judge_has_own_process
 from hflow.trainer.config import placement_pools, reuses_update_log_probs
 from hflow.trainer.ppo import faults
 from hflow.trainer.ppo.health import zero_advantage_group_frac
@@ -101,10 +102,12 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
 
 
 def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs,
-                      process_on_nodes: list[int] | None = None, name: str = "global_pool") -> WorkerGroup:
+                      process_on_nodes: list[int] | None = None, name: str = "global_pool",
+                      processes_per_device: int = 1) -> WorkerGroup:
     """The workers of `trainer.backend`: Ray actors, one per device of `process_on_nodes` (by default
     every device of every node) (`ray`), or one rank in this process (`local`: no Ray needed, debuggers
-    and plain stack traces work)."""
+    and plain stack traces work). `processes_per_device` > 1 leaves room on each device for groups made
+    `beside` this one (each process gets that share of the device's bundle)."""
     if trainer_cfg.backend == "local":
         from hflow.single_controller.local import LocalWorkerGroup
 
@@ -123,7 +126,8 @@ def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs,
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // nodes // per_node))
     pool = RayResourcePool(process_on_nodes or [per_node] * nodes, use_gpu=use_gpu, name_prefix=name,
                            cpus_per_worker=int(trainer_cfg.cpus_per_worker),
-                           threads_per_worker=None if threads is None else int(threads))
+                           threads_per_worker=None if threads is None else int(threads),
+                           max_colocate_count=processes_per_device)
     return RayWorkerGroup(pool, cls_with_init)
 
 
@@ -155,6 +159,7 @@ class RayPPOTrainer:
         # set with the workers: where batches come from (per placement), and the health watch
         # (trainer.health; its rules: preflight's check_health_config), None when it is off
         self.rollouts: RolloutSource | None = None
+        self.judge_group: WorkerGroup | None = None  # the generative judge's own processes (Ray), if any
         self.health: HealthRollback | None = None
 
     def _total_training_steps(self) -> int:
@@ -183,20 +188,30 @@ class RayPPOTrainer:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
         if self.use_teacher:  # placed like the reference: beside the actor, in the training pool
             roles[Role.Teacher.value] = ClassWithInitArgs(TeacherWorker, config=self.config.teacher)
+        rm_role = None
         if self.scorer.use_rm:
             rm_worker = RewardModelWorker
             if self.config.reward_model.style == "generative":  # a chat model judges, on its own vLLM engine
                 from hflow.reward.judge_worker import GenerativeRewardModelWorker as rm_worker
-            roles[Role.RewardModel.value] = ClassWithInitArgs(rm_worker, config=self.config.reward_model)
+            rm_role = ClassWithInitArgs(rm_worker, config=self.config.reward_model)
+        # on Ray the judge's engine runs in processes of its own, beside the actor's on the same devices (vLLM's
+        # sleep mode serves one engine per process: preflight's check_sleep_mode_engines); else a colocated role
+        judge_apart = judge_has_own_process(self.config)
+        if rm_role is not None and not judge_apart:
+            roles[Role.RewardModel.value] = rm_role
         self.worker_group = make_worker_group(trainer_cfg, create_colocated_worker_cls(roles), train_nodes,
-                                              name="train_pool")
+                                              name="train_pool", processes_per_device=2 if judge_apart else 1)
         groups = self.worker_group.spawn(roles.keys())
+        if judge_apart:
+            self.judge_group = groups[Role.RewardModel.value] = self.worker_group.beside(rm_role, "judge_")
         self.critic_wg = groups.get(Role.Critic.value)
         self.ref_policy_wg = groups.get(Role.RefPolicy.value)
         self.teacher_wg = groups.get(Role.Teacher.value)
         self.rm_wg = self.scorer.rm_wg = groups.get(Role.RewardModel.value)
         self.actor_rollout_wg = groups[Role.ActorRollout.value]
-        self.worker_group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
+        for group in (self.worker_group, self.judge_group):
+            if group is not None:
+                group.execute_all_sync("seed_everything", int(trainer_cfg.seed))
         if rollout_nodes:  # split: a pool of its own generates, on its own devices
             pool = make_worker_group(trainer_cfg, ClassWithInitArgs(RolloutWorker, config=arr), rollout_nodes,
                                      name="rollout_pool")
@@ -224,7 +239,7 @@ class RayPPOTrainer:
             faults.install(self)
 
     def shutdown(self) -> None:
-        for name in ("rollouts", "worker_group"):
+        for name in ("rollouts", "judge_group", "worker_group"):  # the judge's processes before their pool
             owner = getattr(self, name, None)
             if owner is not None:
                 owner.shutdown()

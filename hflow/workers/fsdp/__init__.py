@@ -8,7 +8,8 @@ worker's call here, and a call inside the engine on the module that holds the fu
   models, rank 0's weights to every rank (`weights_from_rank0`), LoRA wrapping, gradient checkpointing;
 * ``sharding``: FSDP2 (`apply_fsdp2`), inference-only passes, gradient clipping and the optimizer step,
   offloading between phases;
-* ``params``: weights under their Hugging Face names, one full tensor at a time (`iter_full_params`);
+* ``params``: weights under their Hugging Face names, one full tensor at a time (`iter_full_params`), gathered
+  by ``gather``: a bucket of shards per collective, in the receiver's dtype (`GatherStats` counts them);
 * ``optim``: AdamW and the learning-rate schedule;
 * ``passes``: the weights a pass computes with, cast (one rank) or gathered (FSDP2) once per pass
   (`update_pass`, `compute_weights`).
@@ -57,6 +58,7 @@ from hflow.workers.fsdp.passes import (
     update_gather_fits,
     update_pass,
 )
+from hflow.workers.fsdp.gather import GatherStats
 from hflow.workers.fsdp.params import (
     clean_param_name,
     full_param_shapes,
@@ -82,6 +84,7 @@ __all__ = [
     "build_optimizer",
     "clean_param_name",
     "clip_grad_norm_and_step",
+    "GatherStats",
     "compute_weights",
     "default_attn_implementation",
     "default_mixed_precision",

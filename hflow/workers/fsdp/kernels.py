@@ -18,7 +18,12 @@ as fast as the GPU runs them. Two ways to fuse them:
   any length reuse one compiled graph. The attention call stays eager (a graph break around it): the packed
   attention loops over Python sequence bounds, which would make every new number of sequences a recompile;
   the kernels around it (norms, rotary, MLP) are what compiling fuses. Works on CPU too (inductor's C++
-  backend; its first compile takes minutes on a small CPU).
+  backend; its first compile takes minutes on a small CPU). What a loop compiles is bounded: one graph per
+  code region (a layer's forward and the pieces between its graph breaks) for each role (actor, ref, critic:
+  their weights differ in `requires_grad`, which Dynamo guards) and mode (with or without gradients), and
+  generation never runs the compiled layers (`eager_generation`: an HF rollout's KV cache and one-token
+  steps would each compile graphs of their own, and reached Dynamo's recompile limit of 8 in a GRPO run on an
+  H100, bench/results/gpu_h100_logs/grpo_use_torch_compile.log). `compile_metrics` counts both per process.
 
 Call before `apply_fsdp2` (FSDP2 then wraps the compiled layers, as torchtitan does).
 """
@@ -40,13 +45,68 @@ from hflow.workers.config import LIGER_PACKAGE
 
 
 def apply_kernel_options(model: nn.Module, use_liger: bool = False, use_torch_compile: bool = False,
-                         compile_backend: str = "inductor") -> nn.Module:
-    """Patch `model` in place with the chosen options (before sharding) and return it."""
+                         compile_backend: str = "inductor", role: str = "model") -> nn.Module:
+    """Patch `model` in place with the chosen options (before sharding) and return it; `role` names its
+    compiled graphs in `compile_metrics`."""
     if use_liger:
         _apply_liger(model)
     if use_torch_compile:
-        compile_decoder_layers(model, backend=compile_backend)
+        compile_decoder_layers(model, backend=compile_backend, role=role)
     return model
+
+
+# What this process compiled: per (role, mode), the graphs and each Dynamo frame's compiles (a recompile is a
+# frame compiled again); and how often Dynamo gave up on a frame at its recompile limit (it then runs that code
+# eagerly for the rest of the run).
+_graphs: dict[tuple[str, str], int] = {}
+_compiles: dict[tuple[str, str], dict[int, set[int]]] = {}
+_limit_hits = [0]
+
+
+class _RecompileLimitCounter(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage():
+            _limit_hits[0] += 1
+
+
+def _counting(backend: str, role: str):
+    """`backend`, counting each graph it is given under `role`, the grad mode and its Dynamo frame."""
+    from torch._dynamo import lookup_backend
+    from torch._guards import CompileContext
+
+    compile_graph = lookup_backend(backend)
+
+    def compile_counted(graph_module, example_inputs):
+        key = (role, "train" if torch.is_grad_enabled() else "no_grad")
+        _graphs[key] = _graphs.get(key, 0) + 1
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is not None:
+            _compiles.setdefault(key, {}).setdefault(compile_id.frame_id, set()).add(compile_id.frame_compile_id)
+        return compile_graph(graph_module, example_inputs)
+
+    return compile_counted
+
+
+def compile_metrics() -> dict[str, float]:
+    """`compile/graphs/<role>/<mode>`: graphs compiled in this process for that role and mode;
+    `compile/max_compiles_per_region/<role>/<mode>`: the most compiles of one code region (Dynamo frame) for it
+    (1: never recompiled); `compile/recompile_limit_hits`: regions Dynamo stopped compiling. Empty without
+    compiling."""
+    if not _graphs:
+        return {}
+    metrics: dict[str, float] = {"compile/recompile_limit_hits": float(_limit_hits[0])}
+    for (role, mode), count in _graphs.items():
+        metrics[f"compile/graphs/{role}/{mode}"] = float(count)
+        frames = _compiles.get((role, mode), {})
+        metrics[f"compile/max_compiles_per_region/{role}/{mode}"] = float(max(map(len, frames.values()), default=0))
+    return metrics
+
+
+@contextlib.contextmanager
+def eager_generation():
+    """Run compiled layers eagerly inside (HF generation: see the module docstring)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def _apply_liger(model: nn.Module) -> None:
@@ -87,8 +147,9 @@ def module_names_restored(model: nn.Module):
                     setattr(module, key, value)
 
 
-def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
-    """`torch.compile(dynamic=True)` each decoder layer in place (`nn.Module.compile`); returns how many."""
+def compile_decoder_layers(model: nn.Module, backend: str = "inductor", role: str = "model") -> int:
+    """`torch.compile(dynamic=True)` each decoder layer in place (`nn.Module.compile`), its graphs counted
+    under `role` (`compile_metrics`); returns how many layers."""
     from hflow.utils import packing  # the packed attention, which stays eager
     from hflow.workers.fsdp.sharding import decoder_layers
 
@@ -96,9 +157,13 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
         logger.warning("use_torch_compile: TorchDynamo is disabled in this process (TORCHDYNAMO_DISABLE): the "
                        "layers run eagerly")
     packing.exclude_attention_from_compile()
+    dynamo_log = logging.getLogger("torch._dynamo")
+    if not any(isinstance(h, _RecompileLimitCounter) for h in dynamo_log.handlers):
+        dynamo_log.addHandler(_RecompileLimitCounter())
     layers = decoder_layers(model)
+    counted = _counting(backend, role)
     for layer in layers:
-        layer.compile(backend=backend, dynamic=True)
+        layer.compile(backend=counted, dynamic=True)
     logger.info("use_torch_compile: %d decoder layers of %s compiled (%s, dynamic shapes)", len(layers),
                 type(model).__name__, backend)
     return len(layers)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hflow.utils import device
+from hflow.workers.fsdp.gather import GatherStats, gather_full
 from hflow.workers.fsdp.sharding import reshard_fsdp_model
 
 # Name segments that wrappers (FSDP1, torch activation checkpointing, torch.compile) insert into
@@ -69,34 +70,38 @@ def _is_lora_param(name: str) -> bool:
 
 
 @torch.no_grad()
-def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int | None = None,
+                     stats: GatherStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter and persistent buffer, one at a time.
 
     The names are those of the unwrapped model's `state_dict()`, except that a tied parameter is
     yielded once, under its first name (e.g. `model.embed_tokens.weight`, not also `lm_head.weight`):
-    HF and vLLM loaders re-tie it. Each sharded parameter is all-gathered when the consumer asks for it,
-    so at most one full tensor exists beside the shards; every rank must consume the generator in the
-    same order (each gather is a collective).
+    HF and vLLM loaders re-tie it. Each sharded parameter is all-gathered when the consumer asks for it
+    (`gather_full`: with `bucket_bytes`, a bucket of shards per collective, so at most one bucket of full
+    tensors exists beside the shards); every rank must consume the generator in the same order (each gather
+    is a collective). `dtype`: floating-point tensors arrive in it, cast on each rank before the gather (the
+    bytes a bf16 engine needs, not the fp32 master's); `stats` counts the bytes and collectives.
 
     A LoRA model (`apply_lora`) yields the base model's names and shapes with the adapters merged in:
     W + scaling * B @ A for each wrapped linear, and no `lora_*` tensor -- what vLLM, the weight stream
-    and a Hugging Face export need, since none of them knows the adapters.
+    and a Hugging Face export need, since none of them knows the adapters. (Its weights are gathered in
+    their own dtype and cast after the merge, which is then as exact as without `dtype`.)
     """
     reshard_fsdp_model(model)  # after a forward without backward, some parameters are still gathered
-    compute_device = device.get_device()
-
-    def gather(tensor: torch.Tensor) -> torch.Tensor:
-        # Shards kept on the host (CPUOffloadPolicy) are gathered on the device, not by a host collective.
-        return tensor.to(compute_device).full_tensor() if isinstance(tensor, DTensor) else tensor
-
     lora = _lora_weights(model)
-    for name, tensor in named_weights(model):
-        full = gather(tensor)
+    for name, full in gather_full(named_weights(model), None if lora else dtype, bucket_bytes, stats):
         if name in lora:
             lora_a, lora_b, scaling, fan_in_fan_out = lora[name]
-            delta = gather(lora_b).to(full.dtype) @ gather(lora_a).to(full.dtype)
+            delta = _full(lora_b).to(full.dtype) @ _full(lora_a).to(full.dtype)
             full = full + scaling * (delta.T if fan_in_fan_out else delta)
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
         yield from checkpoint_layout(model, name, full.detach())
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor whole (shards kept on the host, CPUOffloadPolicy, are gathered on the device)."""
+    return tensor.to(device.get_device()).full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_param_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:

@@ -67,7 +67,7 @@ class RolloutConfig:
     calculate_log_probs: bool = True
     partial_rollout: bool = False  # split: a weight update stops the requests in flight, which continue with the new weights
     admission: str = "static"  # static: a fixed shard per engine; continuous: rows routed to the least-loaded engine
-    weight_bucket_mb: Optional[float] = 16.0  # split: the weight stream packs tensors into broadcasts of this many MiB; null = one per tensor
+    weight_bucket_mb: Optional[float] = None  # MiB of full tensors per gather (colocated) and per broadcast (split); None = by device
     micro_batch_size: Optional[int] = None  # HF rollout: prompts per generate call; None = all
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: Optional[bool] = ref("actor_rollout_ref.actor.use_dynamic_bsz")
@@ -160,8 +160,14 @@ def check_endpoint_rollout(rollout: Any) -> None:
                           f"{rollout.name}, {rollout.tensor_model_parallel_size}, {rollout.admission})")
 
 
+# `rollout.weight_bucket_mb` when null: GPU-sized on CUDA (verl's default is 2 GiB; one bucket of full tensors
+# then sits beside the engine while its weights load, two in flight on the weight stream), and on CPU the size
+# measured there (bench/results/weight_buckets.md).
+WEIGHT_BUCKET_MB = {"cuda": 1024.0, "cpu": 16.0}
+
+
 def check_weight_bucket(rollout: Any) -> None:
-    """`rollout.weight_bucket_mb`: a size > 0 in MiB, or null (one broadcast per tensor)."""
+    """`rollout.weight_bucket_mb`: a size > 0 in MiB, or null (by device: `WEIGHT_BUCKET_MB`)."""
     if rollout.weight_bucket_mb is not None and not float(rollout.weight_bucket_mb) > 0:
-        raise ConfigError(f"{PREFIX}.weight_bucket_mb must be > 0 MiB (the weight stream's bucket; a tensor larger "
-                          f"than it goes alone) or null (one broadcast per tensor), got {rollout.weight_bucket_mb}")
+        raise ConfigError(f"{PREFIX}.weight_bucket_mb must be > 0 MiB (the weight sync's bucket; a tensor larger "
+                          f"than it goes alone) or null (by device), got {rollout.weight_bucket_mb}")

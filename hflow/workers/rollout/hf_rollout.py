@@ -30,6 +30,7 @@ from hflow.workers.rollout.base import (
     assemble_rollout_output,
     resolve_sampling,
 )
+from hflow.workers.fsdp.kernels import eager_generation
 from hflow.workers.fsdp.passes import compute_weights
 from hflow.workers.moe import NOT_ROUTED, RoutingRecorder
 from hflow.workers.rollout.multi_turn import MultiTurnRollout
@@ -124,6 +125,7 @@ class HFRollout(BaseRollout):
             output.batch["routed_experts"] = routed.to(input_ids.device)
         return output
 
+    @eager_generation()  # compiled layers (use_torch_compile) are for the training passes, not the KV cache's steps
     def _generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: SamplingSettings,
                       eos_token_id: Any, pad_token_id: int, vision: dict[str, torch.Tensor]) -> Any:
         return self.module.generate(
@@ -191,6 +193,7 @@ class _WaveEngine(TurnEngine):
     def busy(self) -> bool:
         return bool(self.queue)
 
+    @eager_generation()
     def poll(self) -> list[TurnResult]:
         turns, self.queue = self.queue, []
         if not turns and not _synced():

@@ -1,7 +1,7 @@
 """The experts an in-process vLLM engine routes each token to: the sampler's side of router replay.
 
-vLLM's own capture (`enable_return_routed_experts`) lives in its GPU model runner V2, which the CPU build
-does not run. Its routers, though, take a capture callback on every backend (`BaseRouter.set_capture_fn`,
+vLLM's own capture (`enable_return_routed_experts`) lives in its GPU model runner V2, which hflow does not
+run (it pins V1 on every device: `vllm_env`). Its routers, though, take a capture callback on every backend (`BaseRouter.set_capture_fn`,
 called with each forward's (tokens, k) top-k ids), and the engine runs in this process: `install` sets one
 per MoE layer on the engine's worker (`collective_rpc`). At each forward the callback reads where the
 step's tokens come from off the model runner (its batch's request ids, `query_start_loc` spans and
@@ -80,6 +80,10 @@ def _install(worker: Any) -> int:
     moe = sorted((m for m in runner.get_model().modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
     if not moe:
         raise ValueError("router replay: the engine's model has no MoE layer")
+    monolithic = [m.layer_id for m in moe if getattr(getattr(m, "_quant_method", None), "is_monolithic", False)]
+    if monolithic:  # such a kernel routes inside itself and never calls the router's capture callback
+        raise RuntimeError(f"router replay: the engine's MoE layers {monolithic[:4]} run a monolithic expert kernel, "
+                           "which routes without the router's capture callback; hflow cannot record their routing")
     routing = _EngineRouting(runner, len(moe))
     for index, module in enumerate(moe):
         module.router.set_capture_fn(lambda ids, index=index: routing.capture(index, ids))

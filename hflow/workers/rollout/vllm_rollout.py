@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.workers.rollout.config import check_tensor_parallel
 from hflow.protocol import DataProto
-from hflow.utils.device import is_cuda
+from hflow.utils.device import empty_cache, is_cuda
 from hflow.utils.torch_functional import pad_2d_list_to_length
 from hflow.workers.rollout.base import (
     BaseRollout,
@@ -50,9 +50,9 @@ from hflow.workers.rollout.base import (
     resolve_sampling,
 )
 
-# Must be set before vllm is imported: the engine then runs in this process, which is what lets
-# weights be handed over as tensors (a multiprocess engine only accepts a path).
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from hflow.workers.rollout.vllm_env import apply_vllm_env, check_model_runner
+
+apply_vllm_env()  # before vllm is imported: an in-process engine, on the model runner hflow chose
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -163,7 +163,7 @@ class vLLMRollout(BaseRollout):
             "tensor_parallel_size": tp,
             "distributed_executor_backend": backend,
             "dtype": str(config.dtype),
-            "enforce_eager": _enforce_eager(config.enforce_eager),
+            "enforce_eager": _enforce_eager(config.enforce_eager, bool(config.get("record_routing", False))),
             "max_model_len": max_model_len,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": int(config.max_num_seqs),
@@ -582,12 +582,15 @@ def _remove_stale_cpu_shared_memory() -> None:
         dist.barrier()
 
 
-def _enforce_eager(value: Any) -> bool:
+def _enforce_eager(value: Any, record_routing: bool = False) -> bool:
     """`rollout.enforce_eager`; null = eager on CPU (compiling costs ~20 s of start-up there for no
     speed-up), CUDA graphs and torch.compile on GPU. Graphs survive sleep mode: vLLM's allocator
     re-maps weights and KV cache at the same virtual addresses on wake-up, and `reload_weights`
-    copies into the existing parameter storage."""
-    return not is_cuda() if value is None else bool(value)
+    copies into the existing parameter storage. Recording routing (router replay) is eager: its capture
+    is a host callback in each MoE layer's forward, which a CUDA graph's replay does not run."""
+    if record_routing and value is False:  # (preflight's check_moe_settings says so first)
+        raise ValueError("router replay records routing eagerly: it cannot run with rollout.enforce_eager=false")
+    return record_routing or not is_cuda() if value is None else bool(value)
 
 
 def _ties_embeddings(hf_config: Any) -> bool:
@@ -637,12 +640,15 @@ def _plain_dict(value: Any) -> dict[str, Any]:
 
 def new_engine(engine_kwargs: dict[str, Any]) -> LLM:
     """An in-process vLLM engine (the rollout's and the generative judge's), without its side effects on the
-    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`)."""
+    process (`_preserve_host_state`); on CPU with its sampler helpers eager (`eager_on_cpu`); on CUDA after
+    the caching allocator's free blocks went back (vLLM sizes the engine from the device's free memory); on
+    the model runner hflow chose (`check_model_runner`)."""
     if not is_cuda():
         eager_on_cpu()
-    freeze_gc_heap()
+    freeze_gc_heap()  # (its full collection first: what it frees is given back by empty_cache)
+    empty_cache()
     with _preserve_host_state():
-        return LLM(**engine_kwargs)
+        return check_model_runner(LLM(**engine_kwargs))
 
 
 def freeze_gc_heap() -> None:

@@ -6,9 +6,11 @@
         output = sharding_manager.postprocess_data(output)
                                                 # engine asleep, training RNG back
 
-Weights travel one parameter at a time: each FSDP shard is all-gathered into a full tensor, handed
-to `vLLMRollout.update_weights` (vLLM's `reload_weights`, then a prefix-cache reset) and dropped, so
-at most one full parameter exists beside the shards. On CUDA the engine wakes in two stages, weights
+Weights travel a bucket at a time (`rollout.weight_bucket_mb`, by device when null): each rank casts its
+FSDP shards to the engine's dtype, one all-gather assembles the bucket's full tensors, which are handed to
+`vLLMRollout.update_weights` (vLLM's `reload_weights`, then a prefix-cache reset) and dropped, so at most
+one bucket of full tensors exists beside the shards (`hflow.workers.fsdp.gather`); `last_sync_bytes` is
+what the last sync gathered. On CUDA the engine wakes in two stages, weights
 before the sync and KV cache after the gathered tensors are freed, so the cache can take the memory
 they used; on exit it sleeps at level 2 (weights discarded, not copied to host memory). On CPU there
 is no sleep mode and those steps do nothing.
@@ -27,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hflow.protocol import DataProto, all_gather_data_proto
 from hflow.utils.device import empty_cache, is_cuda
-from hflow.workers.fsdp import iter_full_params, load_fsdp_model_to_device, offload_fsdp_model_to_cpu
+from hflow.workers.fsdp import GatherStats, iter_full_params, load_fsdp_model_to_device, offload_fsdp_model_to_cpu
 from hflow.workers.sharding_manager.base import BaseShardingManager
 
 if TYPE_CHECKING:
@@ -135,6 +137,7 @@ class FSDPVLLMShardingManager(VLLMGenerationContext):
         super().__init__(rollout, device_mesh)
         self.module = module
         self.offload_param = offload_param
+        self.last_sync_bytes = 0
 
     def _sync_weights(self) -> None:
         if self.offload_param:
@@ -142,7 +145,12 @@ class FSDPVLLMShardingManager(VLLMGenerationContext):
         self.rollout.wake_up(tags=["weights"])
         # HF names, one full tensor at a time; every rank consumes them in the same order, since each
         # gather is a collective.
-        self.rollout.update_weights(iter_full_params(self.module))
+        config, stats = self.rollout.config, GatherStats()
+        bucket_mb = config.weight_bucket_mb
+        self.rollout.update_weights(iter_full_params(self.module, getattr(torch, str(config.dtype)),
+                                                     None if bucket_mb is None else int(float(bucket_mb) * 2**20),
+                                                     stats))
+        self.last_sync_bytes = stats.bytes
         if self.offload_param:
             offload_fsdp_model_to_cpu(self.module, empty_cache=False)
         empty_cache()
