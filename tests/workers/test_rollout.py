@@ -225,11 +225,16 @@ def test_cpu_engine_arguments_and_impossible_configs(world, tiny_model_dir):
         "enable_sleep_mode": rollout_config(engine_kwargs={"vllm": {"enable_sleep_mode": True}}),
         "tensor_model_parallel_size": rollout_config(tensor_model_parallel_size=2),
         "max_position_embeddings": rollout_config(prompt_length=4096),
-        "max_num_batched_tokens": rollout_config(max_num_batched_tokens=64),
+        "max_num_batched_tokens": rollout_config(max_num_batched_tokens=64, enable_chunked_prefill=False),
     }
     for message, config in bad.items():
         with pytest.raises(ValueError, match=message):
             vLLMRollout._engine_kwargs(str(tiny_model_dir), config, hf_config, None)
+
+    # Chunked prefill by default exactly where a whole sequence does not fit one scheduler step (long contexts).
+    assert kwargs["enable_chunked_prefill"] is False  # 8192 tokens a step hold the whole sequence
+    long = vLLMRollout._engine_kwargs(str(tiny_model_dir), rollout_config(max_num_batched_tokens=64), hf_config, None)
+    assert long["enable_chunked_prefill"] is True and long["max_num_batched_tokens"] == 64
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])

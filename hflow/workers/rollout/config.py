@@ -59,7 +59,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enforce_eager: Optional[bool] = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: Optional[bool] = None  # None = on where a whole sequence exceeds max_num_batched_tokens
     enable_prefix_caching: bool = True
     free_cache_engine: bool = True
     load_format: str = "dummy"

@@ -149,7 +149,9 @@ class vLLMRollout(BaseRollout):
                 "data.max_prompt_length / data.max_response_length"
             )
         max_num_batched_tokens = int(config.max_num_batched_tokens)
-        enable_chunked_prefill = bool(config.enable_chunked_prefill)
+        enable_chunked_prefill = config.enable_chunked_prefill
+        if enable_chunked_prefill is None:  # long contexts: a prompt longer than one scheduler step is chunked
+            enable_chunked_prefill = max_num_batched_tokens < max_model_len
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"rollout.max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: "
