@@ -19,12 +19,14 @@ What the conversion reads beside the shards (every checkpoint holds it, see
     huggingface/                   config, generation config, tokenizer (weights only with hf_model)
     lora/adapter_config.json       PEFT's adapter config of a LoRA actor (r, lora_alpha, target_modules)
 
-OUT_DIR must be new or empty; `--overwrite` replaces an earlier output of the converter (a folder with a
-config.json and no subfolders). It is refused, before anything is read, when it is, holds or lies inside
-the checkpoint (or `--model-path`), or lies in or holds a training checkpoint folder (an experiment's
-folder with `global_step_*/` or `latest_checkpointed_iteration.txt`), see `hflow.utils.safe_output`. The
-new folder is written beside OUT_DIR and renamed into place when complete; an earlier one is removed only
-then.
+OUT_DIR must be new or empty; `--overwrite` replaces a folder that hflow wrote (an earlier output of the
+converter or a training run's Hugging Face export): every such folder lists its files in
+`.hflow-output.json`, and a folder without that manifest, or holding anything it does not list (a user's
+file), is refused, naming those files: nothing the converter did not write is ever deleted. OUT_DIR is also
+refused, before anything is read, when it is, holds or lies inside the checkpoint (or `--model-path`), or
+lies in or holds a training checkpoint folder (an experiment's folder with `global_step_*/` or
+`latest_checkpointed_iteration.txt`), see `hflow.utils.safe_output`. The new folder is written beside
+OUT_DIR and renamed into place when complete; an earlier one is removed only then.
 
 Checkpoints written before those files existed convert with `--model-path` (the run's
 `actor_rollout_ref.model.path`: config and tokenizer) and `--lora-alpha` (the run's `model.lora_alpha`).
@@ -46,7 +48,7 @@ import torch
 
 from hflow.workers.fsdp.checkpoint import HF_DIR, LORA_DIR
 from hflow.utils.errors import UserError
-from hflow.utils.safe_output import OutputError, check_output_folder, staged_folder
+from hflow.utils.safe_output import MANIFEST, OutputError, check_output_folder
 
 __all__ = ["CheckpointError", "convert_checkpoint", "main", "verify_conversion"]
 
@@ -280,7 +282,7 @@ class _CopyFiles:
     """Stands in for the tokenizer in `save_hf_model`: its `save_pretrained` copies the source folder's
     files as they are (tokenizer files, chat template, remote code), never the weights or configs."""
 
-    _SKIP = ("config.json", "generation_config.json", "adapter_config.json")
+    _SKIP = ("config.json", "generation_config.json", "adapter_config.json", MANIFEST)
     _WEIGHTS = (".safetensors", ".bin", ".index.json", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
 
     def __init__(self, folder: Path):
@@ -308,11 +310,6 @@ def _load_config(hf_dir: Path):
     return config, generation
 
 
-def _is_earlier_output(folder: Path) -> bool:
-    """What the converter writes: a config.json and files, no subfolders."""
-    return (folder / "config.json").is_file() and not any(p.is_dir() for p in folder.iterdir())
-
-
 def _is_tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
@@ -336,9 +333,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, ema: bool = False, dtyp
     try:
         dst = check_output_folder(dst, arg="OUT_DIR", what="the Hugging Face folder", overwrite=overwrite,
                                   inputs={"the checkpoint": src, "the checkpoint folder": checkpoint,
-                                          "--model-path": model_path},
-                                  earlier_output=_is_earlier_output,
-                                  earlier_what="an earlier output of the converter (a config.json, no subfolders)")
+                                          "--model-path": model_path})
     except OutputError as err:
         raise CheckpointError(str(err)) from None
     hf_dir = _hf_source(checkpoint, model_path)
@@ -346,9 +341,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, ema: bool = False, dtyp
     if dtype is not None:
         config.dtype = dtype
     weights = iter_merged_weights(checkpoint, ema=ema, tied=_is_tied(config), lora_alpha=lora_alpha, dtype=dtype)
-    with staged_folder(dst) as new:  # replaces dst only once the new folder is complete
-        # the writer of the trainer's own export: shards of ~4 GiB, config, tie
-        save_hf_model(_ModelInfo(config, generation), new, tokenizer=_CopyFiles(hf_dir), weights=weights)
+    # the writer of the trainer's own export: shards of ~4 GiB, config, tie; staged beside dst, which it replaces
+    # only once the new folder is complete
+    save_hf_model(_ModelInfo(config, generation), dst, tokenizer=_CopyFiles(hf_dir), weights=weights, arg="OUT_DIR")
     return dst
 
 
@@ -454,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-alpha", type=float,
                         help="LoRA alpha for a checkpoint without lora/adapter_config.json (model.lora_alpha)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier output of the converter at OUT_DIR (never a folder it reads, nor "
-                             "one holding or inside a training checkpoint)")
+                        help="replace a folder at OUT_DIR that hflow wrote (its .hflow-output.json lists every file "
+                             "in it; never a folder it reads, nor one holding or inside a training checkpoint)")
     args = parser.parse_args(argv)
     dtype = _DTYPES.get(args.dtype)
     try:

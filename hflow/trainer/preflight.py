@@ -54,6 +54,7 @@ from hflow.trainer.code_isolation import check_code_isolation
 from hflow.trainer.ppo.health import check_health_config
 from hflow.trainer.resume import check_resume_origin
 from hflow.utils.dataset.config import check_data, data_files
+from hflow.utils.vision import has_vision_tower
 from hflow.workers.moe import check_moe_settings
 from hflow.workers.config import (
     check_actor_losses,
@@ -465,13 +466,33 @@ def check_reward_sources(config: DictConfig) -> None:
                     "(multi_turn.env_config_path), or data.builtin_task=vault for the built-in one")
 
 
+def _torchvision_missing() -> str | None:
+    """Why torchvision does not load here (None when it does): vLLM's Qwen2-VL model file imports it."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # absent, or a build for another torch ("operator torchvision::nms does not exist")
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def check_image_rollouts(config: DictConfig) -> None:
     """Prompts with images (a `data.image_key` column in the data files) are sampled by the HF rollout, single-
     and multi-turn, and by vLLM single-turn; vLLM's streaming paths (its multi-turn loop, continuous admission,
-    generation interrupted by weight updates) do not hand the engine the images yet, and would sample blind."""
+    generation interrupted by weight updates) do not hand the engine the images yet, and would sample blind.
+    And vLLM cannot build a vision-language model where torchvision does not load (the CPU stack: no
+    torchvision wheel matches its torch build); its engine would stop at start-up with a traceback."""
     rollout, prefix = config.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
     if rollout.name != "vllm":
         return
+    model_path = str(config.actor_rollout_ref.model.path)
+    if has_vision_tower(model_path):
+        why = _torchvision_missing()
+        if why is not None:
+            raise ConfigError(
+                f"{prefix}.name=vllm cannot sample from the vision-language model {model_path} here: vLLM's model "
+                f"file for it imports torchvision, which does not load ({why}; no torchvision wheel matches the "
+                f"CPU build of torch). Set {prefix}.name=hf: the HF rollout samples prompts with images on CPU "
+                "(the built-in vision task uses it)")
     streaming = [key for key, on in ((f"{prefix}.multi_turn.enable=true", rollout.multi_turn.enable),
                                      (f"{prefix}.admission=continuous", rollout.admission == "continuous"),
                                      (f"{prefix}.partial_rollout=true", rollout.partial_rollout),

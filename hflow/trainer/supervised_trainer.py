@@ -26,6 +26,7 @@ from hflow.single_controller.base import ClassWithInitArgs
 from hflow.trainer.checkpoints import StepCheckpoints
 from hflow.trainer.resume import check_resume_origin, write_model_origin
 from hflow.trainer.ppo.metric_utils import reduce_metrics
+from hflow.utils.safe_output import check_replaceable
 from hflow.utils.tracking import Tracking, check_backends
 from hflow.workers.supervised_workers import StageWorker
 
@@ -79,6 +80,8 @@ def check_stage_config(config: DictConfig, stage: str) -> None:
     errors.run(check_output_dirs, trainer)
     errors.run(check_data_files, data.train_files, "data.train_files")
     errors.run(check_data_files, data.val_files, "data.val_files")
+    # the export at the end replaces a folder there only when hflow wrote all of it: said now, not after training
+    errors.run(check_replaceable, Path(trainer.hf_output_dir).expanduser(), arg="trainer.hf_output_dir")
     model_ok = errors.run(check_model_path, config.model.path, "model.path")
     if model_ok:
         errors.run(check_tokenizer_path, config.model, "model")

@@ -7,11 +7,15 @@ Every tool of hflow that writes (`hflow.cli.convert_checkpoint`, `hflow.cli.plot
   tool's inputs, or a checkpoint folder (an experiment root -- a folder with
   `latest_checkpointed_iteration.txt` or `global_step_*` folders --, a `global_step_N` folder, or a worker's
   checkpoint with `model_optim/`), a file where a folder is meant (or the reverse), and a place that cannot
-  be written; a folder that would be replaced (`--overwrite`) must also look like an earlier output of the
-  tool. Paths are compared after `~`, relative parts, `.`, `..` and symlinks are resolved.
+  be written. Paths are compared after `~`, relative parts, `.`, `..` and symlinks are resolved.
+- A folder is replaced (`--overwrite`, a training run's Hugging Face export) only when hflow wrote all of it:
+  every folder `staged_folder` writes carries a manifest (`MANIFEST`) of the files in it, and
+  `check_replaceable` refuses a non-empty folder without one, or holding anything the manifest does not
+  list (a user's file put there later), naming those files. Nothing else is ever taken for an earlier output.
 - `staged_folder` / `staged_file` write the new output into a temporary name beside it and rename it into
-  place at the end: the old output is removed only once the new one is complete, and a failure part way
-  leaves the old output as it was and no half-written one.
+  place at the end: the old output is removed only once the new one is complete (and, for a folder, only
+  after `check_replaceable` passes once more), and a failure part way leaves the old output as it was and
+  no half-written one.
 
 A refusal is an `OutputError` (a `UserError`): the tool prints its message as one `hflow: error:` paragraph
 and exits with status 2.
@@ -20,18 +24,21 @@ and exits with status 2.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 from hflow.utils.errors import UserError
 
-__all__ = ["OutputError", "check_output_file", "check_output_folder", "checkpoint_around", "is_checkpoint_folder",
-           "paths_in_overrides", "real_path", "staged_file", "staged_folder"]
+__all__ = ["MANIFEST", "OutputError", "check_output_file", "check_output_folder", "check_replaceable",
+           "checkpoint_around", "is_checkpoint_folder", "paths_in_overrides", "real_path", "staged_file",
+           "staged_folder"]
 
 LATEST = "latest_checkpointed_iteration.txt"  # hflow.trainer.checkpoints' marker of an experiment root
+MANIFEST = ".hflow-output.json"  # in every folder `staged_folder` writes: who wrote it, and its files
 _SCAN_LIMIT = 10_000  # entries of a folder to replace that are searched for checkpoints
 
 
@@ -124,15 +131,61 @@ def _check_place(dst: Path, arg: str, shown: str, folder: bool, what: str) -> No
                           "choose a folder you can write to")
 
 
+def _manifest_files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(folder: Path, written_by: str) -> None:
+    (folder / MANIFEST).write_text(json.dumps({"written_by": written_by, "files": _manifest_files(folder)},
+                                              indent=1) + "\n")
+
+
+def _not_written_by_hflow(folder: Path) -> list[str] | None:
+    """What in `folder` its manifest does not list (files, and folders holding none of its files); None when
+    it has no manifest (or one that cannot be read): hflow did not write the folder."""
+    try:
+        listed = set(json.loads((folder / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    holders = {str(parent) for name in listed for parent in Path(name).parents}
+    foreign = []
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.name == MANIFEST and path.parent == folder:
+            continue
+        if (path.is_dir() and not path.is_symlink() and name in holders) or (name in listed and path.is_file()):
+            continue
+        foreign.append(name + ("/" if path.is_dir() else ""))
+    return foreign
+
+
+def check_replaceable(folder: str | os.PathLike, *, arg: str) -> None:
+    """Refuse (OutputError) to replace `folder` (given as `arg`) when it exists and is not empty, unless hflow
+    wrote it: its manifest (`MANIFEST`) lists everything in it."""
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    foreign = _not_written_by_hflow(folder)
+    if foreign is None:
+        raise OutputError(f"{arg} {folder} is not empty and was not written by hflow (it has no {MANIFEST}, the list "
+                          "of its files that hflow writes into every output folder), so it is not replaced: "
+                          f"its files would be deleted. Name a new or empty folder for {arg} (an output of an older "
+                          "hflow, written before the manifest, is not recognised: delete it yourself if you mean to)")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputError(f"{arg} {folder} holds what hflow did not write there ({shown}; its {MANIFEST} lists the "
+                          f"rest), so it is not replaced: that would delete them. Move them out of {folder}, or "
+                          f"name a new folder for {arg}")
+
+
 def check_output_folder(out: str | os.PathLike, *, arg: str, inputs: Mapping[str, str | os.PathLike | None],
-                        what: str, overwrite: bool | None = False,
-                        earlier_output: Callable[[Path], bool] | None = None, earlier_what: str = "") -> Path:
+                        what: str, overwrite: bool | None = False) -> Path:
     """The resolved folder `out` (argument `arg`) into which a tool writes `what`, or an OutputError.
 
     `inputs`: {how the message names it: path} of everything the tool reads. `overwrite`: False -- `out` must
-    be new or empty; True -- an existing `out` is replaced (it must not hold a checkpoint, and when
-    `earlier_output` is given it must pass it: `earlier_what` says what that is); None -- files are added
-    to an existing `out`, nothing is removed.
+    be new or empty; True -- an existing `out` is replaced, and must hold no checkpoint and pass
+    `check_replaceable` (hflow wrote all of it); None -- files are added to an existing `out`, nothing is
+    removed.
     """
     shown = str(out)
     dst = real_path(out)
@@ -150,9 +203,7 @@ def check_output_folder(out: str | os.PathLike, *, arg: str, inputs: Mapping[str
     if checkpoint is not None:
         raise OutputError(f"{arg} {shown} holds the training checkpoint folder {checkpoint}, which --overwrite "
                           f"would delete; name a new folder for {arg}")
-    if earlier_output is not None and not earlier_output(dst):
-        raise OutputError(f"{arg} {shown} is not {earlier_what}, so --overwrite refuses to delete it (it replaces "
-                          f"only an earlier output of this tool); name a new folder for {arg}")
+    check_replaceable(dst, arg=arg)
     return dst
 
 
@@ -188,10 +239,13 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def staged_folder(final: Path) -> Iterator[Path]:
+def staged_folder(final: Path, written_by: str, arg: str = "the output folder") -> Iterator[Path]:
     """A path beside `final` (in a new temporary folder) for the caller to write the new output to; when the
-    block ends without an error it replaces `final` (the old one is removed after the rename). On an error
-    `final` is left as it was and the partial output is removed."""
+    block ends without an error the folder gets its manifest (`MANIFEST`: `written_by` and the files
+    written) and replaces `final`, which must pass `check_replaceable` (`arg`: how its message names it;
+    the old folder is removed after the rename). On an error `final` is left as it was and the partial
+    output is removed."""
+    final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".hflow-tmp", dir=final.parent))
     try:
@@ -199,7 +253,9 @@ def staged_folder(final: Path) -> Iterator[Path]:
         yield new
         if not new.is_dir():
             raise OutputError(f"nothing was written for {final}")
+        _write_manifest(new, written_by)
         os.chmod(new, 0o777 & ~_umask())
+        check_replaceable(final, arg=arg)
         if final.exists():
             old = stage / (final.name + ".old")
             os.rename(final, old)

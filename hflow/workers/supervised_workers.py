@@ -123,7 +123,7 @@ class StageWorker(Worker, FSDPModelHolder):
     def save_hf_model(self, local_path: str) -> None:
         """The trained model as a plain Hugging Face folder (written by rank 0, complete or not at all)."""
         self._onload(self.module, None, self._offload_param, False)
-        save_hf_model(self.module, local_path, tokenizer=self.tokenizer)
+        save_hf_model(self.module, local_path, tokenizer=self.tokenizer, arg="trainer.hf_output_dir")
         self._offload(self.module, None, self._offload_param, False)
 
 

@@ -12,7 +12,9 @@ and is atomic (a failure part way leaves the old output and no temporary folder)
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ from hflow.cli import memory_plan, plot
 from hflow.reward import audit
 from hflow.tasks import agent_task, builtin_task
 from hflow.tasks.tiny_models import build_causal_lm
-from hflow.utils.safe_output import LATEST
+from hflow.utils.safe_output import LATEST, MANIFEST, OutputError
 from tests.cli.test_convert_checkpoint import WORLD, _save_main
 from tests.ranks import free_port, spawn_ranks
 
@@ -180,7 +182,7 @@ def test_output_holding_or_inside_another_checkpoint_is_refused(experiment, tmp_
     (models / "README.md").write_text("mine")
     before = tree_hash(tmp_path)
     for out, words in ((other, "training checkpoint folder"), (other / "hf", "training checkpoint folder"),
-                       (holder, "holds the training checkpoint folder"), (models, "not an earlier output")):
+                       (holder, "holds the training checkpoint folder"), (models, "was not written by hflow")):
         code = converter.main([str(ckpt), str(out), "--overwrite"])
         err = capsys.readouterr().err
         refused(code, err, "OUT_DIR")
@@ -216,6 +218,81 @@ def test_path_arguments_end_in_one_paragraph(experiment, tmp_path, capsys):
     assert stop.value.code == 2 and "cannot read file" in capsys.readouterr().err
 
 
+# ---- --overwrite deletes only what hflow wrote (issue 53) ----------------------------------------------------
+
+
+def test_overwrite_never_deletes_a_file_the_converter_did_not_write(experiment, tmp_path, capsys):
+    """The issue's row: `mydocs` holds a config.json and the user's thesis.txt (and no subfolder, which is what
+    the converter took for its own earlier output): --overwrite refuses it. So does an earlier output of the
+    converter into which the user has put a file: the manifest lists what the converter wrote, and the message
+    names the rest. Nothing is deleted; once the user's file is moved out, --overwrite works."""
+    ckpt = _checkpoint(experiment)
+    mydocs = tmp_path / "mydocs"
+    mydocs.mkdir()
+    (mydocs / "config.json").write_text('{"model_type": "qwen2"}')
+    (mydocs / "thesis.txt").write_text("four years of work\n")
+    before = tree_hash(tmp_path)
+    code = converter.main([str(ckpt), str(mydocs), "--overwrite"])
+    err = capsys.readouterr().err
+    refused(code, err, f"OUT_DIR {mydocs}")
+    assert "was not written by hflow" in err and MANIFEST in err and "new or empty folder" in err
+    assert tree_hash(tmp_path) == before
+
+    out = tmp_path / "hf"
+    assert converter.main([str(ckpt), str(out)]) == 0
+    assert "config.json" in json.loads((out / MANIFEST).read_text())["files"]
+    (out / "thesis.txt").write_text("four years of work\n")
+    (out / "notes").mkdir()
+    (out / "notes" / "a.md").write_text("mine too")
+    before = tree_hash(tmp_path)
+    code = converter.main([str(ckpt), str(out), "--overwrite", "--dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    refused(code, err, f"OUT_DIR {out}")
+    assert "notes/, notes/a.md, thesis.txt" in err and "Move them out" in err, err
+    assert tree_hash(tmp_path) == before
+
+    (out / "thesis.txt").rename(tmp_path / "thesis.txt")
+    shutil.rmtree(out / "notes")
+    assert converter.main([str(ckpt), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert (tmp_path / "thesis.txt").read_text() == "four years of work\n"
+
+
+def test_hf_export_replaces_only_its_own_folder(tmp_path):
+    """The trainer's Hugging Face export (`save_hf_model`: SFT / RM / DPO's trainer.hf_output_dir, the actor's
+    export) replaces an earlier export, never a folder with a file it did not write."""
+    from transformers import AutoModelForCausalLM
+
+    from hflow.workers.fsdp.checkpoint import save_hf_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_causal_lm(tmp_path / "model"))
+    out = tmp_path / "export"
+    save_hf_model(model, out)
+    save_hf_model(model, out)  # its own earlier export: replaced
+    (out / "thesis.txt").write_text("mine")
+    before = tree_hash(tmp_path)
+    with pytest.raises(OutputError, match=r"trainer.hf_output_dir .*export holds what hflow did not write there "
+                                          r"\(thesis.txt"):
+        save_hf_model(model, out, arg="trainer.hf_output_dir")
+    assert tree_hash(tmp_path) == before
+
+
+def test_sft_refuses_an_export_folder_it_did_not_write_before_training(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from hflow import CONFIG_DIR
+    from hflow.trainer.supervised_trainer import check_stage_config
+    from hflow.utils.errors import ConfigError
+
+    mydocs = tmp_path / "mydocs"
+    mydocs.mkdir()
+    (mydocs / "thesis.txt").write_text("mine")
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        config = compose(config_name="sft_trainer", overrides=[f"trainer.hf_output_dir={mydocs}"])
+    with pytest.raises(ConfigError, match=f"trainer.hf_output_dir {mydocs} is not empty and was not written by hflow"):
+        check_stage_config(config, "sft")
+    assert (mydocs / "thesis.txt").read_text() == "mine"
+
+
 # ---- an overwrite that is asked for works, and is atomic -----------------------------------------------------
 
 
@@ -223,7 +300,6 @@ def test_overwrite_of_an_earlier_output_replaces_it_atomically(experiment, tmp_p
     ckpt = _checkpoint(experiment)
     out = tmp_path / "hf"
     assert converter.main([str(ckpt), str(out)]) == 0
-    (out / "README.md").write_text("the user's note on an earlier output")  # --overwrite replaces it all
     first = tree_hash(out)
     assert converter.main([str(ckpt), str(out), "--dtype", "bfloat16"]) == 2  # no --overwrite: refused
     assert "--overwrite" in capsys.readouterr().err and tree_hash(out) == first
@@ -247,7 +323,7 @@ def test_overwrite_of_an_earlier_output_replaces_it_atomically(experiment, tmp_p
     assert tree_hash(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
     assert converter.main([str(ckpt), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
-    assert not (out / "README.md").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").is_file() and (out / MANIFEST).is_file()
     assert tree_hash(out)["model.safetensors"] != first["model.safetensors"]  # bf16 now
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 

@@ -390,10 +390,11 @@ def plan_memory(config: DictConfig, target: str | None = None, device_bytes: flo
         mini_rank = per_rank(int(mini))
         b = min(micro(micro_count, tokens, dynamic), mini_rank)
         accumulation = max(1, math.ceil(mini_rank / b))
-        pass_spec = spec(r, b, train=True, micro_batches=min(2, accumulation), entropy=entropy)
+        frozen = bool(images) and bool((config.critic if who == "critic" else actor).freeze_vision_tower)
+        pass_spec = replace(spec(r, b, train=True, micro_batches=min(2, accumulation), entropy=entropy),
+                            freeze_vision_tower=frozen)
         peak = trace(pass_spec)
         comps = traced_components(peak, who)
-        frozen = (config.critic if who == "critic" else actor).freeze_vision_tower
         comps.update(vision_pass(replace(pass_spec, train=not frozen), who, images))
         comps.update(others(who))
         comps.update(engine_between)

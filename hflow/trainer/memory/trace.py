@@ -81,6 +81,7 @@ class PassSpec:
     # a vision-language model's vision tower on `batch` sequences' images, each (merged tokens per image, ...):
     # traced alone (`_run_vision`) when set
     image_tokens: tuple[int, ...] = ()
+    freeze_vision_tower: bool = False  # the tower takes no gradient (actor / critic `freeze_vision_tower`)
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -101,8 +102,8 @@ def _build(spec: PassSpec) -> nn.Module:
     config = AutoConfig.for_model(**raw)
     if spec.model == "value":
         config.num_labels, config.classifier_dropout = 1, 0.0
-    # a vision-language policy (and critic) as the workers load it; its pass is traced on text (the vision
-    # tower's parameters are counted, its activations not)
+    # a vision-language policy (and critic) as the workers load it; its tower runs in the pass on one small
+    # image (`_ImageEncoding`), its activations on the run's images are `_run_vision`'s
     vision = hasattr(config, "vision_config")
     policy = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     auto = AutoModelForTokenClassification if spec.model == "value" else policy
@@ -112,6 +113,10 @@ def _build(spec: PassSpec) -> nn.Module:
         register_vision_value_model(config)
     kwargs = dict(dtype=_dtype(spec.model_dtype), attn_implementation=spec.attn_implementation)
     model = auto.from_config(config, **kwargs)
+    if vision and spec.freeze_vision_tower:  # as the workers do, before the optimizer
+        from hflow.utils.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)
     if spec.lora is not None:
         from hflow.workers.fsdp.lora import add_lora
 
@@ -208,8 +213,35 @@ def _rollout_forward(model: nn.Module, spec: PassSpec) -> None:
         torch.softmax(logits.float(), dim=-1)
 
 
-def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
-    """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total")."""
+class _ImageEncoding:
+    """A vision-language model's pass traced with its vision tower in it, where the model's own forward runs
+    it: inside the root module's forward (a forward pre-hook, after FSDP2's, which has gathered the root unit:
+    the tower's patch embedding and merger), each vision block gathered by its own unit; in an update the
+    tower's gradients are reduce-scattered and its optimizer state stepped like the rest. On one image of one
+    merged token (`inputs`, from `_vision_inputs`): what the tower holds on the run's images is `_run_vision`'s
+    trace. Without it an FSDP2 trace of several ranks fails (the tracker reads the gathered parameters of
+    every unit after backward, and the tower's were never gathered) and one of one rank misses the tower's
+    gradients and optimizer state."""
+
+    def __init__(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        self.tower = _tower_for_trace(model)
+        self.inputs = inputs
+        self.features: torch.Tensor | None = None
+        model.register_forward_pre_hook(self._encode)
+
+    def _encode(self, module: nn.Module, args: Any) -> None:
+        self.features = _encode_images(self.tower, self.inputs)
+
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` with the last forward's image features in its graph (times 0), so that backward runs through
+        the tower, as it does through the image tokens of a real prompt."""
+        features, self.features = self.features, None
+        return out + 0 * features.float().sum()
+
+
+def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any, tower_inputs: dict[str, Any] | None = None) -> dict[str, int]:
+    """Run the pass on `model` under a memory tracker; its peak by category (bytes, with "Total").
+    `tower_inputs`: a vision-language model's one small image (`_ImageEncoding`)."""
     from hflow.workers.fsdp import build_optimizer, no_grad_pass, update_pass
 
     vocab = int(model.config.get_text_config().vocab_size)
@@ -219,6 +251,12 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
         with tracker:
             _rollout_forward(model, spec)
         return _peak(tracker)
+    images = _ImageEncoding(model, tower_inputs) if tower_inputs is not None else None
+
+    def forward(mb: dict[str, Any]) -> torch.Tensor:
+        out = _forward(model, spec, mb)
+        return images.join(out) if images is not None else out
+
     optimizer = None
     if spec.train:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim_cfg)
@@ -234,7 +272,7 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
         model.train()
         with update_pass(model) as update:
             update.before_backward(last=True)
-            (_forward(model, spec, batches[0]) * batches[0]["advantages"]).sum().backward()
+            (forward(batches[0]) * batches[0]["advantages"]).sum().backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -244,7 +282,7 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
             model.train()
             with update_pass(model) as update:  # as the actor and critic run their micro-batches
                 for index, mb in enumerate(batches):
-                    out = _forward(model, spec, mb)
+                    out = forward(mb)
                     update.before_backward(last=index == len(batches) - 1)
                     (out * mb["advantages"]).sum().backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
@@ -254,7 +292,7 @@ def _run(model: nn.Module, spec: PassSpec, optim_cfg: Any) -> dict[str, int]:
             model.eval()
             with no_grad_pass(model):
                 for mb in batches:
-                    _forward(model, spec, mb)
+                    forward(mb)
     return _peak(tracker)
 
 
@@ -352,33 +390,44 @@ def _vision_inputs(spec: PassSpec, vision: Any) -> dict[str, Any]:
             "channels": channels}
 
 
-def _run_vision(spec: PassSpec, inputs: dict[str, Any]) -> dict[str, int]:
-    """The vision tower's forward (and, in an update whose tower trains, its backward) on the micro-batch's
-    images, under torch's `MemTracker`: what it holds beside the language model's pass. Its parameters and
-    gradients are the model's, counted by the pass's own trace."""
+def _tower_for_trace(model: nn.Module) -> nn.Module:
+    """`model`'s vision tower, its attention counted as a varlen kernel's (`_VarlenAttention`)."""
     from transformers import AttentionInterface
 
     from hflow.utils.vision import vision_tower
 
     AttentionInterface.register(VISION_ATTENTION, _varlen_attention_shape)
+    tower = vision_tower(model)
+    for module in tower.modules():
+        if getattr(module, "config", None) is not None:
+            module.config._attn_implementation = VISION_ATTENTION
+    return tower
+
+
+def _encode_images(tower: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The tower's merged features of `inputs`' images (`_vision_inputs`), from zero pixels."""
+    kwargs = {k: inputs[k] for k in ("grid_thw", "cu_seqlens", "max_seqlen", "position_ids")}
+    pixels = torch.zeros((inputs["patches"], inputs["channels"]))  # the processor's fp32 pixel_values
+    return tower(pixels, **kwargs).pooler_output
+
+
+def _run_vision(spec: PassSpec, inputs: dict[str, Any]) -> dict[str, int]:
+    """The vision tower's forward (and, in an update whose tower trains, its backward) on the micro-batch's
+    images, under torch's `MemTracker`: what it holds beside the language model's pass. Its parameters and
+    gradients are the model's, counted by the pass's own trace."""
     dtype = spec.param_dtype or spec.model_dtype
     model = _build(replace(spec, image_tokens=(), model_dtype=dtype, lora=None))
     if spec.gradient_checkpointing and spec.train:
         from hflow.workers import fsdp
 
         fsdp.enable_gradient_checkpointing(model)
-    tower = vision_tower(model)
-    for module in tower.modules():
-        if getattr(module, "config", None) is not None:
-            module.config._attn_implementation = VISION_ATTENTION
+    tower = _tower_for_trace(model)
     tower.train(spec.train)
     tower.requires_grad_(spec.train)
     tracker = _PlainMemTracker()  # (a frozen tower's parameters take no gradient hooks)
     tracker.track_external(tower)
-    kwargs = {k: inputs[k] for k in ("grid_thw", "cu_seqlens", "max_seqlen", "position_ids")}
     with tracker, torch.set_grad_enabled(spec.train):
-        pixels = torch.zeros((inputs["patches"], inputs["channels"]))  # the processor's fp32 pixel_values
-        merged = tower(pixels, **kwargs).pooler_output
+        merged = _encode_images(tower, inputs)
         if spec.train:
             merged.float().sum().backward()
     return _peak(tracker)
@@ -389,19 +438,23 @@ def trace_fake(spec: PassSpec, optim_cfg: Any = None) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     optim_cfg = optim_cfg or SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01, kernel="foreach")
-    if spec.image_tokens:
+    vision = None
+    if "vision_config" in json.loads(spec.model_config):
         from transformers import AutoConfig
 
         vision = AutoConfig.for_model(**json.loads(spec.model_config)).vision_config
+    if spec.image_tokens:
         inputs = _vision_inputs(spec, vision)
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _run_vision(spec, inputs)
     if spec.logits_positions is not None:
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _run(_build(spec), spec, optim_cfg)
+    # a vision-language model's pass encodes one image of one merged token (`_ImageEncoding`)
+    one_image = _vision_inputs(replace(spec, image_tokens=(1,), batch=1), vision) if vision is not None else None
     with _fake_world(spec.world) as mesh, FakeTensorMode(allow_non_fake_inputs=True):  # the mesh is real
         model = _shard(_build(spec), spec, mesh)
-        return _run(model, spec, optim_cfg)
+        return _run(model, spec, optim_cfg, one_image)
 
 
 def count_real_pass(phase: str, spec: PassSpec, config, mesh) -> dict[str, int]:

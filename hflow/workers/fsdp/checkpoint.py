@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hflow.utils import device
+from hflow.utils.safe_output import check_replaceable, staged_folder
 from hflow.utils.vision import copy_processor_files
 
 HF_DIR = "huggingface"  # config, tokenizer (+ weights with hf_model) of a checkpoint
@@ -253,19 +254,22 @@ def save_model_info(folder: Path, model: torch.nn.Module, tokenizer=None) -> Non
 
 def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
                   dtype: torch.dtype | None = None,
-                  weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+                  weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                  arg: str = "the Hugging Face export folder") -> None:
     """Write `model` (FSDP2-sharded or plain) as a Hugging Face folder: config, tokenizer, safetensors.
 
     Every rank takes part in gathering each full parameter (one at a time, so peak memory is one full
     tensor on the device); rank 0 keeps them on CPU and writes the files, into a temporary folder that
-    is renamed into place when complete. `weights`: (HF name, full tensor) pairs to write instead of the
-    model's own (e.g. `ParamEMA.iter_full()`); the model still gives the config and the tie.
+    is renamed into place when complete (`hflow.utils.safe_output.staged_folder`: with the manifest of its
+    files). An existing folder at `path` is replaced only when hflow wrote all of it (`check_replaceable`,
+    checked on every rank before any gathering; `arg` names the folder in its message). `weights`: (HF name,
+    full tensor) pairs to write instead of the model's own (e.g. `ParamEMA.iter_full()`); the model still
+    gives the config and the tie.
     """
-    from safetensors.torch import save_file
-
     from hflow.workers.fsdp.params import iter_full_params
 
     final = Path(path)
+    check_replaceable(final, arg=arg)  # on every rank: none waits in a collective for one that refused
     config = getattr(model, "config", None)
     tied = bool(config is not None and getattr(config, "tie_word_embeddings", False))
     tensors = {}
@@ -275,10 +279,15 @@ def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=Non
     if _rank() != 0:
         _barrier()
         return
-    tmp = final.with_name(final.name + _TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    with staged_folder(final, written_by="hflow: a Hugging Face export (save_hf_model)", arg=arg) as tmp:
+        tmp.mkdir()
+        _write_hf_folder(tmp, tensors, model, config, tokenizer)
+    _barrier()
+
+
+def _write_hf_folder(tmp: Path, tensors: dict[str, torch.Tensor], model, config, tokenizer) -> None:
+    from safetensors.torch import save_file
+
     shards = _split_into_shards(tensors)
     if len(shards) == 1:
         save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
@@ -298,8 +307,6 @@ def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer=Non
             generation_config.save_pretrained(tmp)
     if tokenizer is not None:
         save_tokenizer_and_processor(tokenizer, tmp)
-    commit_folder(tmp, final)
-    _barrier()
 
 
 def _split_into_shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

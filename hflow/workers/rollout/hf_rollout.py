@@ -3,7 +3,10 @@ weight sync, at a fraction of vLLM's speed. For debugging, and for models vLLM c
 
 The module may be a plain HF causal LM or one wrapped with FSDP2 `fully_shard`; FSDP2 gathers the
 parameters in every forward, and `synced_gpus` keeps all ranks stepping together until the last one
-is done (ranks that stop early would otherwise leave the others waiting in an all-gather).
+is done (ranks that stop early would otherwise leave the others waiting in an all-gather). `generate`
+itself is registered as a forward of the root unit: a vision-language model's `generate` encodes the
+images before its first forward, through the vision tower's patch embedding and merger, which are the
+root unit's parameters and would still be shards there.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 from hflow.agent.loop import TurnEngine, TurnResult
 from hflow.protocol import DataProto
@@ -56,6 +60,8 @@ class HFRollout(BaseRollout):
 
     def __init__(self, module: nn.Module, config: DictConfig, tokenizer: Any = None) -> None:
         self.module = module
+        # the root unit's parameters gathered for all of `generate` (no-op for a plain module)
+        register_fsdp_forward_method(module, "generate")
         self.config = config
         self.response_length = int(config.response_length)
         self.calculate_log_probs = bool(config.calculate_log_probs)
