@@ -10,10 +10,13 @@ policy version produced it.
 
 import json
 
+import pytest
 import torch
 
 from tests.trainer.test_distillation import teacher_paths
 from tests.trainer.test_placement import run_builtin
+
+pytestmark = pytest.mark.slow  # training runs (async and LoRA students)
 
 STEPS = 3
 LEAN = ("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",

@@ -149,6 +149,7 @@ def test_grpo_end_to_end_updates_the_policy(assets, uninterrupted):
     assert len(changed) > len(initial) // 2, changed
 
 
+@pytest.mark.slow  # a second training run (GAE)
 def test_ppo_with_a_critic_end_to_end(ray_session, assets, tmp_path):
     metrics = run(assets, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
                   "trainer.test_freq=2")
@@ -172,6 +173,7 @@ def _same_first_step(got: dict, want: dict, rel: float) -> None:
         assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-6), key
 
 
+@pytest.mark.slow  # a second training run
 def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, assets, tmp_path, uninterrupted):
     metrics = run(assets, tmp_path, *GRPO, "trainer.total_training_steps=1", "algorithm.use_rollout_log_probs=true")
     step = metrics[0]
@@ -181,6 +183,7 @@ def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, asset
     _same_first_step(step, _training_steps(uninterrupted[1])[0], rel=1e-4)
 
 
+@pytest.mark.slow  # a second training run
 def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_path, uninterrupted):
     # null = reuse wherever exact: this on-policy run (one epoch, one mini-batch) does; the separate pass
     # runs at step 1 and every rollout_check_freq steps for its checks
@@ -198,6 +201,7 @@ def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_p
     _same_first_step(steps[1], separate[1], rel=1e-5)
 
 
+@pytest.mark.slow  # a second training run
 def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(
@@ -232,6 +236,7 @@ def _actor_optimizer_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
 # resume_mode=auto through the `latest` marker. Stopped at an epoch's end (after step 3): the restart must
 # begin the next epoch, with its own shuffle, not replay the finished one or skip a batch of the next; it
 # starts (resume_mode=resume_path) from the uninterrupted run's own step-3 checkpoint, which saves a run.
+@pytest.mark.slow  # training runs, stopped and resumed
 @pytest.mark.parametrize("stop_after", [1, EPOCH_STEPS], ids=["mid-epoch", "end-of-epoch"])
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, assets, tmp_path, uninterrupted,
                                                                  stop_after):
@@ -299,6 +304,7 @@ def _assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> 
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
+@pytest.mark.slow  # a training run in a subprocess
 @pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, tmp_path):
     proc = _start(assets, tmp_path)
@@ -319,6 +325,7 @@ def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, t
     _assert_all_gone(descendants)
 
 
+@pytest.mark.slow  # a training run in a subprocess
 @pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_ctrl_c_stops_every_worker(assets, tmp_path):
     proc = _start(assets, tmp_path)

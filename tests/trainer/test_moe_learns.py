@@ -6,12 +6,15 @@ The HF rollout keeps it short; the same run with the vLLM rollout is bench/resul
 
 import json
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from hflow import CONFIG_DIR
 from hflow.tasks.builtin_task import MOE_SPEC, ensure_builtin_assets
 from hflow.trainer.main_ppo import run_ppo
 from tests.trainer.learning import START_AT_MOST, validation_curve
+
+pytestmark = pytest.mark.slow  # a learning run
 
 STEPS = 4
 
