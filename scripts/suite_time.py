@@ -101,32 +101,13 @@ def tables(record: Path, note: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_file_seconds(record: Path, out: Path) -> None:
-    """{file: {tier: seconds}}, heaviest file first: the record's figures replace those of the same file and
-    tier already in `out` (a fast-tier record leaves the slow tier's as they were)."""
-    seconds = defaultdict(dict, json.loads(out.read_text()) if out.is_file() else {})
-    measured = defaultdict(lambda: defaultdict(float))
-    for name in PARTS:
-        if (record / f"{name}.xml").is_file():
-            for file, _, took, tier, _ in read_part(record / f"{name}.xml")["tests"]:
-                measured[file][tier] += took
-    for file, tiers in measured.items():
-        seconds[file].update({tier: round(took, 1) for tier, took in tiers.items()})
-    ordered = sorted(seconds.items(), key=lambda item: -sum(item[1].values()))
-    out.write_text(json.dumps({file: dict(sorted(tiers.items())) for file, tiers in ordered}, indent=1) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("record", type=Path, help="the folder HFLOW_TEST_RECORD named")
     parser.add_argument("--out", type=Path, help="add the tables to the top of this file (default: print them)")
-    parser.add_argument("--file-seconds", type=Path, help="also write each file's seconds per tier as JSON here "
-                        "(tests/file_seconds.json: tests/conftest.py runs the heaviest files first)")
     parser.add_argument("--note", default="", help="a sentence to add under the heading (what else ran, say)")
     args = parser.parse_args()
     text = tables(args.record, args.note)
-    if args.file_seconds:
-        write_file_seconds(args.record, args.file_seconds)
     if args.out:  # the newest record first, under the file's title; the earlier ones stay below it
         title, _, earlier = args.out.read_text().partition("\n") if args.out.is_file() else ("", "", "")
         if not title.startswith("# "):

@@ -54,7 +54,7 @@ done
 
 workers=${HFLOW_TEST_WORKERS:-2}
 parallel=()
-[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+[[ "$workers" != 0 ]] && parallel=(-n "$workers" --dist loadfile)
 set +e
 part_record parallel
 "$python" -m pytest "${parallel[@]}" -m "not gpu and not alone$tier" "${record[@]}" "${args[@]}" tests

@@ -1,6 +1,5 @@
 """Shared fixtures. Ray is started once per test session (about 3 s) and shared by every Ray test."""
 
-import json
 import os
 from pathlib import Path
 
@@ -56,22 +55,10 @@ def fsdp_on_one_rank(monkeypatch):
     monkeypatch.setattr(sharding, "fsdp_needed", lambda *args, **kwargs: True)
 
 
-# Seconds per test file and tier from a duration record (scripts/suite_time.py --file-seconds writes it).
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-
-
-@pytest.hookimpl(trylast=True)  # after `-m` has deselected what this run leaves out
 def pytest_collection_modifyitems(items):
     """Each test's tier (and pytest-xdist worker) goes into the duration record's junit XML (scripts/test.sh
-    with HFLOW_TEST_RECORD; scripts/suite_time.py reads it). Under pytest-xdist the heaviest files go first: the workers then
-    finish together instead of one running the last long file alone (scripts/test.sh passes
-    --no-loadscope-reorder so that xdist keeps this order; it would otherwise put files of many tests first)."""
-    tiers, worker = {}, os.environ.get("PYTEST_XDIST_WORKER")
+    with HFLOW_TEST_RECORD; scripts/suite_time.py reads it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     for item in items:
         tier = "slow" if item.get_closest_marker("slow") else "fast"
         item.user_properties += [("tier", tier)] + ([("worker", worker)] if worker else [])
-        tiers.setdefault(item.nodeid.split("::")[0], set()).add(tier)
-    if os.environ.get("PYTEST_XDIST_WORKER") and FILE_SECONDS.is_file():
-        recorded = json.loads(FILE_SECONDS.read_text())
-        seconds = {file: sum(recorded.get(file, {}).get(tier, 0.0) for tier in present) for file, present in tiers.items()}
-        items.sort(key=lambda item: -seconds[item.nodeid.split("::")[0]])  # a stable sort: each file stays whole

@@ -202,12 +202,15 @@ def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_p
 
 
 @pytest.mark.slow  # a second training run
-def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):
+def test_custom_reward_function_from_a_file(assets, tmp_path):
+    """The reward's way from the user's file to the step's metrics does not depend on the backend: one rank in
+    this process (local backend, HF generation), which starts in a fraction of the time two Ray workers take."""
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(
         "def length_reward(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
         "    return {'score': 0.25 + bonus, 'chars': len(solution_str)}\n")
     metrics = run(assets, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+                  "trainer.backend=local", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
                   f"custom_reward_function.path={reward_file}", "custom_reward_function.name=length_reward",
                   "+custom_reward_function.reward_kwargs.bonus=0.5")
     step = metrics[0]
