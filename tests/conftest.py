@@ -69,3 +69,12 @@ def pretend_cuda(monkeypatch):
     yield
     monkeypatch.undo()
     device._detect.cache_clear()
+
+
+def pytest_collection_modifyitems(items):
+    """Each test's tier (and pytest-xdist worker) goes into the duration record's junit XML (scripts/test.sh
+    with HFLOW_TEST_RECORD; scripts/suite_time.py reads it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    for item in items:
+        tier = "slow" if item.get_closest_marker("slow") else "fast"
+        item.user_properties += [("tier", tier)] + ([("worker", worker)] if worker else [])

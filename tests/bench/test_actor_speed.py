@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # bench plumbing
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.alone  # tool overlap measured in wall time
+pytestmark = [pytest.mark.alone, pytest.mark.slow]  # tool overlap measured in wall time; slow: bench plumbing
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -40,6 +40,7 @@ def test_bench_refuses_without_cuda(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # bench plumbing (every part of the bench on CPU)
 def test_smoke_cpu_runs_every_part_and_writes_the_report(tmp_path):
     out = tmp_path / "gpu_check.md"
     run = subprocess.run(

@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.slow  # bench plumbing (timed training steps)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the example's three training stages
+
 ROOT = Path(__file__).resolve().parents[2]
 MEASURES = ("exact_correct", "house_style", "true_score", "rm_score")
 PIPELINE_ENV = {"RLHF_SFT_EPOCHS": "6", "RLHF_RM_EPOCHS": "1", "RLHF_PPO_STEPS": "4",

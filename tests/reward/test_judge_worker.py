@@ -165,6 +165,7 @@ def test_worker_scores_policy_responses_at_their_last_token(worker):
     assert texts[0].startswith("yes") and texts[1].startswith("no") and scores == [0.0, 0.0]
 
 
+@pytest.mark.slow  # a learning run
 def test_grpo_learns_the_builtin_task_from_the_judge_alone(judge_assets, tmp_path):
     """The judge is the only training reward (no rule function: the naive manager takes `rm_scores`);
     validation still scores the true rule, which goes from 0 to >= 0.8 in 6 steps (measured on an AVX-512

@@ -83,6 +83,7 @@ ray.shutdown()
 '''
 
 
+@pytest.mark.slow  # eight ranks
 @pytest.mark.alone  # eight workers at once
 def test_on_an_eight_gpu_node_each_worker_sees_one_gpu_at_local_rank_zero(tmp_path):
     """The trainer's worker group on a cluster that has 8 GPUs: one GPU bundle per worker, Ray narrows

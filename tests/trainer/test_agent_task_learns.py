@@ -17,10 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.trainer.agent_controls import write_broken_tools
 from tests.trainer.learning import assert_learned, validation_curve
+
+pytestmark = pytest.mark.slow  # learning runs (four trainings of the agentic task)
 
 VAL_KEY = "val-core/hflow/multiply/reward/mean@1"
 STEPS = 6

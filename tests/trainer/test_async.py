@@ -14,6 +14,8 @@ import pytest
 from tests.trainer.learning import assert_learned, validation_curve
 from tests.trainer.test_placement import run_builtin
 
+pytestmark = pytest.mark.slow  # learning runs (asynchronous training, several placements)
+
 STEPS = 8
 ASYNC = ("trainer.placement=split", "trainer.rollout_n_gpus=1", "algorithm.rollout_is=token",
          "trainer.test_freq=2", f"trainer.total_training_steps={STEPS}")

@@ -126,6 +126,7 @@ def test_a_bad_data_file_ends_the_run_with_a_message_naming_it(builtin, tmp_path
     assert_ray_not_started()  # data files are read before Ray starts
 
 
+@pytest.mark.slow  # a training run on Ray, to its first validation
 def test_a_reward_function_returning_none_ends_the_run_with_the_sample_and_no_ray_noise(tmp_path):
     reward = tmp_path / "my_reward.py"
     # None for a wrong number only: the preflight probe (the ground truth, and a wrong answer in words) passes, and

@@ -95,6 +95,7 @@ def run_twice(tmp_path: Path, *overrides: str) -> list[Path]:
     return dirs
 
 
+@pytest.mark.slow  # two training runs
 def test_two_deterministic_runs_write_the_same_metrics_and_checkpoints(tmp_path):
     first, second = run_twice(tmp_path, "trainer.deterministic=true")
     metrics = [[json.loads(line) for line in open(d / "logs" / "hflow" / "default" / "metrics.jsonl")]

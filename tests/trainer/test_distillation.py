@@ -24,6 +24,8 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.trainer.learning import VAL_KEY, validation_curve
 
+pytestmark = pytest.mark.slow  # learning runs (distillation and its control)
+
 STEPS = 6
 # the recipe every distillation run here and in bench/distill_controls.py uses (beside the built-in settings)
 RECIPE = ["algorithm.adv_estimator=grpo", "trainer.backend=local", "trainer.n_gpus_per_node=1",

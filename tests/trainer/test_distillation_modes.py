@@ -16,10 +16,13 @@ weights come back from its checkpoint bit for bit; each adapter moved.
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.trainer.test_distillation import teacher_paths
 from tests.trainer.test_placement import run_builtin
+
+pytestmark = pytest.mark.slow  # training runs (async and LoRA students)
 
 STEPS = 3
 # KL(student || teacher) on step 1's contexts must at least halve in the 3 steps: measured 1.44 -> 0.28 (async)

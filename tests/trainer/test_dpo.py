@@ -288,6 +288,7 @@ def dpo_output(tmp_path_factory):
     return out, dpo_run(out)
 
 
+@pytest.mark.slow  # learning runs (DPO and its control)
 def test_dpo_learns_the_builtin_pairs_and_shuffled_labels_do_not(dpo_output, tmp_path):
     """The built-in model answers one too high (exact-correct 0 on the held-out questions). DPO on the
     built-in pairs ranks held-out pairs by its implicit reward (0.695 when measured) and answers most of
@@ -304,6 +305,7 @@ def test_dpo_learns_the_builtin_pairs_and_shuffled_labels_do_not(dpo_output, tmp
     assert learned_correct >= control_correct + 0.2, (learned_correct, control_correct)
 
 
+@pytest.mark.slow  # a DPO run, then a PPO run from its output
 def test_dpo_output_loads_in_ppo_as_actor_and_reference(dpo_output, tmp_path):
     out, _ = dpo_output
     policy = out / "ckpt" / "huggingface"

@@ -149,6 +149,7 @@ def test_grpo_end_to_end_updates_the_policy(assets, uninterrupted):
     assert len(changed) > len(initial) // 2, changed
 
 
+@pytest.mark.slow  # a second training run (GAE)
 def test_ppo_with_a_critic_end_to_end(ray_session, assets, tmp_path):
     metrics = run(assets, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
                   "trainer.test_freq=2")
@@ -172,6 +173,7 @@ def _same_first_step(got: dict, want: dict, rel: float) -> None:
         assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-6), key
 
 
+@pytest.mark.slow  # a second training run
 def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, assets, tmp_path, uninterrupted):
     metrics = run(assets, tmp_path, *GRPO, "trainer.total_training_steps=1", "algorithm.use_rollout_log_probs=true")
     step = metrics[0]
@@ -181,6 +183,7 @@ def test_sampler_log_probs_can_stand_in_for_the_old_log_probs(ray_session, asset
     _same_first_step(step, _training_steps(uninterrupted[1])[0], rel=1e-4)
 
 
+@pytest.mark.slow  # a second training run
 def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_path, uninterrupted):
     # null = reuse wherever exact: this on-policy run (one epoch, one mini-batch) does; the separate pass
     # runs at step 1 and every rollout_check_freq steps for its checks
@@ -198,12 +201,16 @@ def test_on_policy_update_can_reuse_its_own_log_probs(ray_session, assets, tmp_p
     _same_first_step(steps[1], separate[1], rel=1e-5)
 
 
-def test_custom_reward_function_from_a_file(ray_session, assets, tmp_path):
+@pytest.mark.slow  # a second training run
+def test_custom_reward_function_from_a_file(assets, tmp_path):
+    """The reward's way from the user's file to the step's metrics does not depend on the backend: one rank in
+    this process (local backend, HF generation), which starts in a fraction of the time two Ray workers take."""
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(
         "def length_reward(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
         "    return {'score': 0.25 + bonus, 'chars': len(solution_str)}\n")
     metrics = run(assets, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1",
+                  "trainer.backend=local", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
                   f"custom_reward_function.path={reward_file}", "custom_reward_function.name=length_reward",
                   "+custom_reward_function.reward_kwargs.bonus=0.5")
     step = metrics[0]
@@ -232,6 +239,7 @@ def _actor_optimizer_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
 # resume_mode=auto through the `latest` marker. Stopped at an epoch's end (after step 3): the restart must
 # begin the next epoch, with its own shuffle, not replay the finished one or skip a batch of the next; it
 # starts (resume_mode=resume_path) from the uninterrupted run's own step-3 checkpoint, which saves a run.
+@pytest.mark.slow  # training runs, stopped and resumed
 @pytest.mark.parametrize("stop_after", [1, EPOCH_STEPS], ids=["mid-epoch", "end-of-epoch"])
 def test_resumed_run_continues_exactly_like_an_uninterrupted_one(ray_session, assets, tmp_path, uninterrupted,
                                                                  stop_after):
@@ -299,6 +307,7 @@ def _assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> 
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
+@pytest.mark.slow  # a training run in a subprocess
 @pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, tmp_path):
     proc = _start(assets, tmp_path)
@@ -319,6 +328,7 @@ def test_killing_a_worker_ends_the_run_naming_it_and_leaves_no_orphans(assets, t
     _assert_all_gone(descendants)
 
 
+@pytest.mark.slow  # a training run in a subprocess
 @pytest.mark.alone  # timed: the first step within its deadline, every process gone within 60 s of the signal
 def test_ctrl_c_stops_every_worker(assets, tmp_path):
     proc = _start(assets, tmp_path)

@@ -11,7 +11,8 @@ import pytest
 
 from tests.trainer.test_placement import _learned, run_builtin
 
-pytestmark = pytest.mark.alone  # eight workers and their engines need most of the machine's memory
+# alone: eight workers and their engines need most of the machine's memory; slow: eight ranks
+pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 EIGHT = ("trainer.n_gpus_per_node=8", "ray_init.num_cpus=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
          "trainer.total_training_steps=4", "trainer.test_freq=4",

@@ -33,6 +33,8 @@ from hflow.tasks.defaults import dotted_leaves
 from tests.conftest import REPO_ROOT
 from tests.trainer.learning import VAL_KEY, assert_learned, validation_curve
 
+pytestmark = pytest.mark.slow  # learning runs (and building the hedging model)
+
 REWARDS = str(Path(__file__).with_name("gameable_rewards.py"))
 STEPS = 10
 TRAIN_SCORE = "critic/score/mean"

@@ -69,6 +69,7 @@ def lr_spike(tmp_path_factory):
     return tmp_path, control, watched
 
 
+@pytest.mark.slow  # two training runs (the module's lr-spike runs)
 def test_with_no_fault_the_watch_changes_nothing(lr_spike):
     """The steps before the fault of the two lr-spike runs: a healthy run with the watch on (a snapshot taken
     after every step) is the run with it off, metric for metric (two runs of their own would add ~8 steps)."""
@@ -80,6 +81,7 @@ def test_with_no_fault_the_watch_changes_nothing(lr_spike):
         assert _comparable(a) == _comparable(b), f"step {a['step']} differs with the watch on"
 
 
+@pytest.mark.slow  # two training runs (the module's lr-spike runs)
 def test_a_learning_rate_spike_is_rolled_back(lr_spike):
     tmp_path, control, watched = lr_spike
     assert _final_score(control) < 0.2, _final_score(control)
@@ -99,6 +101,7 @@ def test_a_learning_rate_spike_is_rolled_back(lr_spike):
     assert not report["stopped"]
 
 
+@pytest.mark.slow  # a training run
 def test_nan_logits_are_rolled_back_from_the_last_healthy_checkpoint(tmp_path):
     fault = f"trainer.health.inject=[{{step: {FAULT_STEP}, kind: nan_logits}}]"
     watched = _run(tmp_path, "watched", fault, *WATCH, "trainer.health.snapshot=checkpoint", "trainer.save_freq=2")
@@ -111,6 +114,7 @@ def test_nan_logits_are_rolled_back_from_the_last_healthy_checkpoint(tmp_path):
     assert (tmp_path / "watched" / "ckpt" / f"global_step_{FAULT_STEP}").is_dir()
 
 
+@pytest.mark.slow  # two training runs
 def test_a_broken_reward_is_skipped_and_then_stops_the_run_when_it_persists(tmp_path):
     fault = f"trainer.health.inject=[{{step: {FAULT_STEP}, kind: reward, value: 0.0, steps: 3}}]"
     watched = _run(tmp_path, "watched", fault, *WATCH, "trainer.health.remedy=tighten_clip")

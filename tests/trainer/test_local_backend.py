@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT
 
 
@@ -47,6 +49,7 @@ def test_local_backend_needs_exactly_one_rank(tmp_path):
     assert "trainer.backend=local runs one rank" in run.stderr and "trainer.n_gpus_per_node=1" in run.stderr
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_local_backend_with_the_vllm_engine_runs_and_exits_cleanly(tmp_path):
     """The engine lives in the driver's process here: it must shut down before the process group it
     hangs off (else vLLM's exit handler fails on destroyed subgroups and prints a traceback)."""

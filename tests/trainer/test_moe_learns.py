@@ -16,6 +16,8 @@ from hflow.tasks.builtin_task import MOE_SPEC, ensure_builtin_assets
 from hflow.trainer.main_ppo import run_ppo
 from tests.trainer.learning import START_AT_MOST, validation_curve
 
+pytestmark = pytest.mark.slow  # a learning run
+
 STEPS = 4
 CONTROLS = str(Path(__file__).with_name("reward_controls.py"))
 

@@ -17,7 +17,8 @@ import pytest
 from tests.trainer.test_command_line import main_ppo
 from tests.trainer.learning import assert_learned, validation_curve
 
-pytestmark = pytest.mark.alone  # its cluster registers in /tmp/ray, where any other test's ray.init() would join it
+# alone: its cluster registers in /tmp/ray, where any other test's ray.init() would join it; slow: two nodes
+pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 STEPS = 4  # validation passes 0.8 from step 2 on; one step off-policy (async) dips below it after step 4
 

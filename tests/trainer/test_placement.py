@@ -17,6 +17,8 @@ from hflow import CONFIG_DIR
 from hflow.trainer.main_ppo import run_ppo
 from tests.trainer.learning import assert_learned, validation_curve
 
+pytestmark = pytest.mark.slow  # a learning run (split placement)
+
 
 
 def run_builtin(run_dir, *overrides: str) -> list[dict]:

@@ -7,12 +7,15 @@ tests/workers/test_remove_padding.py, tests/trainer/test_dapo.py and tests/train
 
 import json
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from hflow import CONFIG_DIR
 from hflow.trainer.main_ppo import run_ppo
 from tests.trainer.learning import assert_learned, validation_curve
+
+pytestmark = pytest.mark.slow  # a learning run
 
 STEPS = 5
 

@@ -27,6 +27,8 @@ from tests.conftest import REPO_ROOT
 from tests.trainer.learning import assert_learned, validation_curve
 from tests.trainer.test_local_backend import IMPORT_BLOCKER
 
+pytestmark = pytest.mark.slow  # learning runs (the real reward and its controls)
+
 CONTROLS = str(Path(__file__).with_name("reward_controls.py"))
 STEPS = 8
 

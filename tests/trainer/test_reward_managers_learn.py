@@ -20,6 +20,8 @@ from tests.conftest import REPO_ROOT
 from tests.trainer.learning import assert_learned, validation_curve
 from tests.reward.test_remote_scorer import start_server
 
+pytestmark = pytest.mark.slow  # learning runs (one per reward manager)
+
 STEPS = 6
 
 USER_FILE = '''

@@ -391,6 +391,7 @@ def _train(tmp_path, reward_model, steps: int) -> tuple[str, list[dict]]:
         return run.stdout + run.stderr, [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # training runs, stopped and resumed
 def test_a_run_with_every_detail_fits_once_logs_and_resumes(tmp_path, reward_model):
     output, records = _train(tmp_path, reward_model, steps=2)
     assert output.count("reward_model.normalize: gain=") == 1

@@ -176,6 +176,7 @@ def metrics_of(log_dir):
     return [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # a learning run on two Ray workers
 def test_sft_on_the_builtin_task(ray_session, tmp_path):
     """Two Ray workers, micro-batches of 3: the first loss is the hand-computed global token mean; val/loss
     falls; the exported folder is a causal LM that transformers loads."""
@@ -220,6 +221,7 @@ def test_sft_resumes_where_it_stopped(tmp_path):
     assert [loss for _, loss in resumed] == pytest.approx([straight[3], straight[4]], rel=1e-5)
 
 
+@pytest.mark.slow  # a learning run on Ray
 def test_reward_model_on_the_builtin_task(ray_session, tmp_path):
     """The built-in default: val/accuracy rises; the folder is a sequence classifier that, read at the last
     token as PPO's reward worker reads it, ranks the held-out style pairs (>= 0.95). The held-out number

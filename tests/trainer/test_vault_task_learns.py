@@ -22,6 +22,8 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.trainer.learning import validation_curve
 
+pytestmark = pytest.mark.slow  # learning runs (the stateful task and its two controls)
+
 VAL_KEY = "val-core/hflow/vault/reward/mean@1"
 STEPS = 6
 TASKS = ("vault", "vault_reset_every_turn", "vault_shuffled")

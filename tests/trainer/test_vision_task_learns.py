@@ -50,6 +50,7 @@ def run_task(work: Path, task: str) -> tuple[dict[int, float], list[float]]:
     return validation_curve(records, VAL_KEY), [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
 
 
+@pytest.mark.slow  # learning runs (the task and its control)
 @pytest.mark.timeout(600 + 60)
 def test_grpo_learns_to_read_the_pictures_and_not_blanked_ones(vision_assets, tmp_path):
     tasks = ("vision_digits", "vision_digits_blanked")

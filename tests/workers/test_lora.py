@@ -227,6 +227,7 @@ def test_negative_lora_rank_is_a_config_error(model_path):
         check_lora(arr_config(model_path, "actor_rollout_ref.model.lora_rank=-1"), "actor_rollout_ref")
 
 
+@pytest.mark.slow  # a learning run
 def test_builtin_task_learns_with_lora(ray_session, tmp_path, monkeypatch):
     """GRPO on the built-in task training adapters only, with a KL loss: the reference log-probs come from the
     actor's base model (no reference worker)."""
