@@ -203,6 +203,7 @@ def preflight_check(config: DictConfig) -> None:
     run(check_custom_reward_on_error, config.custom_reward_function)
     if data_ok:
         run(check_reward_sources, config)
+    if data_ok and model_ok:  # it reads the model's config.json, which the model check has read first
         run(check_image_rollouts, config)
     if trainer.reward_audit:
         run(check_reward_audit, trainer)
