@@ -82,6 +82,8 @@ BASE = (
 ASYNC_AGENT = ("tests/trainer/test_agent_task_learns.py::"
                "test_grpo_learns_with_generation_on_its_own_devices_two_steps_off_with_partial_rollouts")
 CONTINUOUS_ASYNC = "tests/trainer/test_async.py::test_continuous_admission_over_two_engines_learns_within_the_bound"
+HEALTH_ASYNC = ("tests/trainer/test_async.py::"
+                "test_the_health_watch_rolls_back_two_steps_off_dropping_the_batch_the_discarded_weights_sampled")
 TESTED: dict[frozenset[str], str] = {
     frozenset({"split", "async"}): CONTINUOUS_ASYNC,
     frozenset({"split", "continuous"}): CONTINUOUS_ASYNC,
@@ -95,6 +97,8 @@ TESTED: dict[frozenset[str], str] = {
                                             "test_an_openai_agent_through_the_endpoint_gives_hflows_own_trajectories"),
     frozenset({"multi-turn", "critic"}): "tests/trainer/test_agent_task_learns.py::test_gae_learns_on_two_ranks_with_hf_generation",
     frozenset({"async", "distill"}): "tests/trainer/test_distillation_modes.py::test_async_student_with_a_teacher",
+    frozenset({"async", "health"}): HEALTH_ASYNC,
+    frozenset({"split", "health"}): HEALTH_ASYNC,
     frozenset({"lora", "distill"}): "tests/trainer/test_distillation_modes.py::test_lora_student_with_a_teacher",
 }
 

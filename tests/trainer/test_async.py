@@ -135,3 +135,22 @@ def test_continuous_admission_over_two_engines_learns_within_the_bound(ray_sessi
     # same: it reports no rollout/rows/engine<i>.
     for r in steps:
         assert 0.0 <= r["perf/rollout_idle_share/engine0"] <= 1.0 and 0.0 <= r["perf/rollout_idle_share/engine1"] <= 1.0
+
+
+def test_the_health_watch_rolls_back_two_steps_off_dropping_the_batch_the_discarded_weights_sampled(ray_session,
+                                                                                                      tmp_path):
+    """`trainer.health` under async_steps=2: an update at a learning rate x1000 (step 4) shows in step 5's
+    metrics and is rolled back to the start of step 4 (policy version 3). Of the two batches in flight, the
+    one submitted at version 3 is kept; the one the spiked weights (version 4) sampled is dropped. The run
+    then recovers within the staleness bound; without the drop it trains on the collapsed policy's samples
+    (every group's advantage 0: the watch fires again)."""
+    fault = "trainer.health.inject=[{step: 4, kind: lr_scale, value: 1000}]"
+    records = run_builtin(tmp_path, *ASYNC, "trainer.async_steps=2", fault, "trainer.health.enable=true",
+                          "trainer.health.entropy_min=0.02", "trainer.health.entropy_max=2.0",
+                          "trainer.health.zero_adv_group_frac=1.0", "trainer.health.remedy=lr_scale")
+    steps = trained_steps(records, k=2)
+    triggered = [r["step"] for r in steps if r.get("health/triggered") == 1.0]
+    assert triggered == [5], triggered
+    [rollback] = [r for r in steps if r["step"] == 5]
+    assert rollback["health/in_flight_kept"] == 1 and rollback["health/in_flight_dropped"] == 1, rollback
+    assert validation_curve(records)[STEPS] >= 0.5, validation_curve(records)  # the run recovered

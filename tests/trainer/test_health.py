@@ -228,9 +228,8 @@ def test_bad_health_settings_are_reported_together():
 def test_the_watch_refuses_what_it_cannot_restore():
     config = default_config()
     config.trainer.health.enable = True
-    config.trainer.async_steps = 1
-    with pytest.raises(ConfigError, match="async_steps"):
-        check_health_config(config)
+    config.trainer.async_steps = 2  # batches in flight: kept or dropped at a rollback (test_placement_unit)
+    check_health_config(config)
     config.trainer.async_steps = 0
     config.trainer.health.snapshot = "checkpoint"
     with pytest.raises(ConfigError, match="save_freq"):

@@ -188,7 +188,7 @@ def _sources(log: list, seen_meta: list):
     rows = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
             "position_ids": torch.arange(3).repeat(2, 1)}
     config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray"}, "reward_model": {"enable": False},
-                               "actor_rollout_ref": {"rollout": {"admission": "static"}}})
+                               "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": False}}})
     generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9, "collectives": 3.0}])
     colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))
@@ -204,7 +204,7 @@ def test_the_split_source_streams_each_new_version_once_and_the_colocated_source
     for step in range(3):
         colocated.next({}, steps_after=5)
         colocated.weights_updated()
-    colocated.weights_restored()
+    colocated.weights_restored(restored_version=3)
     colocated.next({}, steps_after=5)
     assert log == ["generate_sequences"] * 4
     assert all("min_weights_version" not in meta for meta in seen_meta)
@@ -218,7 +218,74 @@ def test_the_split_source_streams_each_new_version_once_and_the_colocated_source
     assert log[3:] == ["generate_sequences"] and "perf/weight_stream_gb" not in metrics
     split.weights_updated()
     split.next({}, steps_after=5)
-    split.weights_restored()  # same version, other weights: streamed again
+    split.weights_restored(restored_version=1)  # same version, other weights: streamed again
     split.next({}, steps_after=5)
     assert log[4:] == ["send_weights", "receive_weights", "generate_sequences"] * 2
     assert [meta["min_weights_version"] for meta in seen_meta] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("restored,taken_next", [(1, [2, 3, 4]), (0, [2, 4, 5]), (None, [4, 5, 6])])
+def test_a_rollback_keeps_the_batches_in_flight_the_restored_weights_sampled_and_drops_the_rest(restored, taken_next):
+    """async_steps=2: when an update is rolled back, batch 2 (submitted at version 0) and batch 3 (version 1)
+    are in flight. Restored to version 1 both stay; to version 0 batch 3, sampled by weights the rollback
+    discards, goes; to a checkpoint's older state (None) both go. Dropped prompts are skipped, and the
+    restored weights are streamed before the next batch starts."""
+    import torch
+
+    log, seen_meta = [], []
+    _, split = _sources(log, seen_meta)
+    split.async_steps = 2
+    rows = iter(range(100))
+    split._batches = ({"input_ids": torch.full((2, 3), next(rows)), "attention_mask": torch.ones(2, 3, dtype=torch.long),
+                       "position_ids": torch.arange(3).repeat(2, 1)} for _ in range(100))
+
+    def first_id(rollout):
+        return int(rollout.gen_batch.batch["input_ids"][0, 0])
+
+    assert first_id(split.next({}, steps_after=9)[0]) == 0
+    split.weights_updated()
+    assert first_id(split.next({}, steps_after=9)[0]) == 1
+    split.weights_updated()  # the update that is rolled back
+    assert [(first_id(p), p.version) for p in split._pending] == [(2, 0), (3, 1)]
+    in_flight = split.weights_restored(restored)
+    kept = sum(1 for i in taken_next[:2] if i in (2, 3))
+    assert in_flight == {"health/in_flight_kept": float(kept), "health/in_flight_dropped": float(2 - kept)}
+    log.clear()
+    assert [first_id(split.next({}, steps_after=9)[0]) for _ in range(3)] == taken_next
+    assert log[:2] == ["send_weights", "receive_weights"]  # the restored weights, before any new batch
+
+
+def test_with_partial_rollouts_a_batch_with_a_token_newer_than_the_restored_weights_is_dropped():
+    """Partial rollouts: a weight update reaches a batch during its generation, so a batch submitted at the
+    restored version may hold tokens of the newer weights; those are read from its `rollout_versions`."""
+    import torch
+
+    from hflow.protocol import DataProto
+    from hflow.trainer.ppo.rollout_source import SplitRolloutSource
+
+    def generate(gen_batch):  # batch 2's last tokens came from version 1, sent while it generated
+        newest = 1 if int(gen_batch.batch["input_ids"][0, 0]) == 2 else gen_batch.meta_info["min_weights_version"]
+        versions = torch.tensor([[gen_batch.meta_info["min_weights_version"], newest]] * len(gen_batch))
+        return DataProto.from_dict({"responses": torch.ones(len(gen_batch), 2, dtype=torch.long),
+                                    "rollout_versions": versions}, meta_info={"metrics": {}})
+
+    log = []
+    config = OmegaConf.create({"trainer": {"async_steps": 2, "backend": "ray"}, "reward_model": {"enable": False},
+                               "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": True}}})
+    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
+    actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 1.0, "collectives": 1.0}])
+    rows = iter(range(100))
+    batches = ({"input_ids": torch.full((2, 3), next(rows)), "attention_mask": torch.ones(2, 3, dtype=torch.long),
+                "position_ids": torch.arange(3).repeat(2, 1)} for _ in range(100))
+    class Loader(list):
+        def state_dict(self):
+            return {}
+
+    split = SplitRolloutSource(config, generator, Loader(), actor)
+    split._batches = batches
+    split.next({}, steps_after=9)
+    split.weights_updated()
+    split.next({}, steps_after=9)
+    split.weights_updated()
+    assert [p.version for p in split._pending] == [0, 1]
+    assert split.weights_restored(0) == {"health/in_flight_kept": 0.0, "health/in_flight_dropped": 2.0}

@@ -104,11 +104,6 @@ def check_health_config(config) -> None:
         errors.run(_check_fault, i, fault)
     if health.enable:
         with errors.catch():
-            if int(trainer.async_steps) > 0:
-                raise ConfigError(
-                    "trainer.health.enable=true with trainer.async_steps > 0 is not supported: batches in flight were "
-                    "sampled by the weights a rollback discards. Set trainer.async_steps=0 or turn the watch off.")
-        with errors.catch():
             if health.snapshot == "checkpoint" and int(trainer.save_freq) <= 0:
                 raise ConfigError("trainer.health.snapshot=checkpoint restores the last saved checkpoint: set "
                                   "trainer.save_freq > 0, or use trainer.health.snapshot=memory")

@@ -36,7 +36,8 @@ class HealthRollback:
         return [self.actor_wg] + ([self.critic_wg] if self.critic_wg is not None else [])
 
     def _driver_state(self) -> dict:
-        return {"kl_ctrl": getattr(self.kl_ctrl, "value", None)}
+        # policy_version: which batches in flight a restore of this state keeps (async_steps >= 1)
+        return {"kl_ctrl": getattr(self.kl_ctrl, "value", None), "policy_version": self.rollouts.version}
 
     def keep_step_start(self) -> None:
         """snapshot=memory: copy the state this step starts from to host memory (a candidate that becomes
@@ -60,11 +61,12 @@ class HealthRollback:
             return False
         health.failed(trigger, metrics)
         stop = health.must_stop()
-        restored = self._restore_healthy_state()
+        restored, in_flight = self._restore_healthy_state()
         if restored is None:
             stop = True
         else:
             health.rolled_back()
+            metrics.update(in_flight)
         self.apply_factors()
         report = health.write_report(stopped=stop)
         metrics.update(health.metrics(triggered=True))
@@ -76,8 +78,11 @@ class HealthRollback:
                    f"{health.rollbacks_in_a_row} rollbacks in a row (trainer.health.max_rollbacks)")
             raise UnhealthyRun(f"{trigger.describe()}; stopping ({why}). The report with the metrics around it: "
                                f"{report}" + ("" if restored is None else f"; the weights were restored to {restored}"))
+        kept, dropped = int(in_flight["health/in_flight_kept"]), int(in_flight["health/in_flight_dropped"])
         print(f"{trigger.describe()}; restored {restored}, remedy {self.cfg.remedy} "
-              f"(lr x{health.lr_factor:g}, clip x{health.clip_factor:g}); report: {report}")
+              f"(lr x{health.lr_factor:g}, clip x{health.clip_factor:g}); report: {report}"
+              + (f"; batches in flight: {kept} kept (sampled by the restored weights or older ones), "
+                 f"{dropped} dropped (sampled by weights the rollback discards)" if kept or dropped else ""))
         return True
 
     def apply_factors(self) -> None:
@@ -94,9 +99,10 @@ class HealthRollback:
         elif self._unconfirmed_checkpoint == step - 1:  # the saved state started a healthy step
             self._healthy_checkpoint = self._unconfirmed_checkpoint
 
-    def _restore_healthy_state(self) -> str | None:
-        """Put the actor (and critic) back to the last healthy state; None when there is none to restore.
-        The data loader is not rewound: the batches since are skipped."""
+    def _restore_healthy_state(self) -> tuple[str | None, dict[str, float]]:
+        """Put the actor (and critic) back to the last healthy state: (where from, what became of the batches in
+        flight), or (None, {}) when there is none to restore. The data loader is not rewound: the batches
+        since are skipped."""
         if self.cfg.snapshot == "memory":
             # before any step passed, the state this run (re)started from
             slot = "healthy" if "healthy" in self._driver_snapshots else "candidate"
@@ -105,7 +111,7 @@ class HealthRollback:
             driver, where = self._driver_snapshots[slot], "the start of the last healthy step (host memory)"
         else:
             if self._healthy_checkpoint is None:
-                return None
+                return None, {}
             step_dir = self.checkpoints.step_dir(self._healthy_checkpoint)
             self.actor_wg.call(ActorRolloutRefWorker.load_checkpoint, str(step_dir / "actor"))
             if self.critic_wg is not None:
@@ -113,8 +119,9 @@ class HealthRollback:
             driver, where = self.checkpoints.load_driver_state(step_dir), str(step_dir)
         if self.kl_ctrl is not None and driver.get("kl_ctrl") is not None:
             self.kl_ctrl.value = driver["kl_ctrl"]
-        self.rollouts.weights_restored()
-        return where
+        # a checkpoint's state is older than the weights of any batch in flight (its version is not kept)
+        in_flight = self.rollouts.weights_restored(driver.get("policy_version"))
+        return where, in_flight
 
     # ---- checkpoints (the trainer reports its saves and its resume)
 

@@ -127,8 +127,45 @@ class RolloutSource:
     def _take_stream_metrics(self) -> dict[str, float]:
         return {}
 
-    def weights_restored(self) -> None:
-        """The actor's weights were put back (a health rollback): colocated, nothing to do."""
+    def weights_restored(self, restored_version: int | None) -> dict[str, float]:
+        """The actor's weights were put back (a health rollback) to those of policy version `restored_version`
+        (None: a state older than any batch in flight, a checkpoint's); returns what became of the batches in
+        flight (`trainer.async_steps` >= 1).
+
+        A batch sampled only by the restored weights or older ones (submitted at a version <= the restored
+        one, and, where updates reach the engines during a generation, with no token of a newer version)
+        stays, within the staleness bound. A batch that weights newer than the restored ones sampled (the
+        ones the rollback discards) is dropped: its generation is awaited and thrown away, and its prompts
+        are skipped, as the failed batch's are. Versions keep counting up: the restored weights go to the
+        engines with the next batch under a new number, so no staleness is under-counted."""
+        kept: deque[PendingRollout] = deque()
+        dropped = 0
+        while self._pending:
+            rollout = self._pending.popleft()
+            stale = restored_version is None or rollout.version > restored_version
+            if not stale and self._rollout_config.partial_rollout:  # tokens may be newer than the batch
+                self._await(rollout)
+                versions = rollout.output.batch.get("rollout_versions") if rollout.output is not None else None
+                stale = versions is not None and bool((versions > restored_version).any())
+            if stale:
+                self._await(rollout)
+                dropped += 1
+            else:
+                kept.append(rollout)
+        self._pending = kept
+        return {"health/in_flight_kept": float(len(kept)), "health/in_flight_dropped": float(dropped)}
+
+    def _await(self, rollout: PendingRollout) -> None:
+        """Wait for a batch in flight to be generated (and scored, on the scoring thread); an error stays
+        with the batch, raised where it is used (a dropped batch's never is)."""
+        if rollout.scored is not None:
+            rollout.scored.exception()
+        elif rollout.output is None:
+            try:
+                self._collect(rollout)
+            except Exception as err:  # noqa: BLE001 - kept for the batch's own use
+                rollout.scored = Future()
+                rollout.scored.set_exception(err)
 
     def state_dict(self) -> dict:
         """The rollout pool's own state for a checkpoint (colocated: the actor's checkpoint has it all)."""
@@ -333,8 +370,9 @@ class SplitRolloutSource(RolloutSource):
         metrics, self._stream_metrics = self._stream_metrics, {}
         return metrics
 
-    def weights_restored(self) -> None:
-        self.engine_version = -1  # the rollout pool gets the restored weights next
+    def weights_restored(self, restored_version: int | None) -> dict[str, float]:
+        self.engine_version = -1  # the rollout pool gets the restored weights with the next batch started
+        return super().weights_restored(restored_version)
 
     def state_dict(self) -> dict:
         return {"rollout_generation": self.generator.generation_state()}
