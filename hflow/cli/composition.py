@@ -84,6 +84,8 @@ ASYNC_AGENT = ("tests/trainer/test_agent_task_learns.py::"
 CONTINUOUS_ASYNC = "tests/trainer/test_async.py::test_continuous_admission_over_two_engines_learns_within_the_bound"
 HEALTH_ASYNC = ("tests/trainer/test_async.py::"
                 "test_the_health_watch_rolls_back_two_steps_off_dropping_the_batch_the_discarded_weights_sampled")
+DETERMINISTIC_ASYNC = ("tests/trainer/test_deterministic.py::"
+                       "test_two_deterministic_runs_two_steps_off_write_the_same_metrics_and_checkpoints")
 TESTED: dict[frozenset[str], str] = {
     frozenset({"split", "async"}): CONTINUOUS_ASYNC,
     frozenset({"split", "continuous"}): CONTINUOUS_ASYNC,
@@ -99,6 +101,8 @@ TESTED: dict[frozenset[str], str] = {
     frozenset({"async", "distill"}): "tests/trainer/test_distillation_modes.py::test_async_student_with_a_teacher",
     frozenset({"async", "health"}): HEALTH_ASYNC,
     frozenset({"split", "health"}): HEALTH_ASYNC,
+    frozenset({"async", "deterministic"}): DETERMINISTIC_ASYNC,
+    frozenset({"split", "deterministic"}): DETERMINISTIC_ASYNC,
     frozenset({"lora", "distill"}): "tests/trainer/test_distillation_modes.py::test_lora_student_with_a_teacher",
 }
 

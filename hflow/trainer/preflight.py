@@ -572,8 +572,8 @@ def check_deterministic(config: DictConfig) -> None:
             raise ConfigError("trainer.deterministic=true with actor_rollout_ref.rollout.partial_rollout=true: where an "
                               "update interrupts a generation depends on timing; set one of them false")
     with errors.catch():
-        if int(config.trainer.async_steps) >= 2:
-            raise ConfigError(f"trainer.deterministic=true with trainer.async_steps={config.trainer.async_steps}: updates "
-                              "reach the engines during a generation, at steps that depend on timing; use "
-                              "trainer.async_steps <= 1 (updates between generations) or trainer.deterministic=false")
+        if config.actor_rollout_ref.rollout.admission == "continuous":
+            raise ConfigError("trainer.deterministic=true with actor_rollout_ref.rollout.admission=continuous: which "
+                              "engine samples a row (and so with which random stream) depends on which has room "
+                              "first, that is on timing; use admission=static (a fixed shard per engine)")
     errors.raise_any()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 from omegaconf import DictConfig
@@ -42,9 +43,12 @@ class RolloutWorker(Worker):
         self.raw_config = config
         self.weights_version = -1  # no update received yet: the engine holds placeholder weights
         self._updates_received = 0  # of the updates the sender announced
-        self._staged: StagedWeights | None = None  # taken during a generation, loaded before the next
+        # updates taken off the stream but not in the engine yet, oldest first: the latest alone (a newer one
+        # supersedes it), or each of them with exact weight versions (trainer.deterministic)
+        self._staged: deque[StagedWeights] = deque()
         self._generation_end: float | None = None  # when the engine last ran out of work
         self._load_s = 0.0  # seconds spent loading weights since then
+        self._exact_versions = False  # trainer.deterministic: each batch sampled by its own version's weights
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -94,23 +98,40 @@ class RolloutWorker(Worker):
         self.manifest = manifest
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def receive_weights(self, manifest: WeightManifest, version: int) -> float:
-        """Load the updates announced so far, up to at least `version` (waiting for its announcement);
-        returns the seconds it took. A no-op for an update a generation already took."""
+    def receive_weights(self, manifest: WeightManifest, version: int, exact: bool = False) -> float:
+        """Load the updates announced so far, up to at least `version` (waiting for its announcement), or
+        with `exact` up to `version` only; returns the seconds it took. A no-op for an update a generation
+        already took."""
         started = time.perf_counter()
         self.manifest = manifest
-        self._catch_up(int(version))
+        self._catch_up(int(version), exact)
         return time.perf_counter() - started
 
-    def _catch_up(self, version: int) -> None:
-        """Between generations: load the staged update and every announced one, until the engine holds
-        at least `version`."""
-        if self._staged is not None:
-            staged, self._staged = self._staged, None
+    def _catch_up(self, version: int, exact: bool = False) -> None:
+        """Between generations: bring the engine to at least `version`, loading the staged updates and every
+        announced one. `exact` (trainer.deterministic): to `version` itself, whatever newer update the sender
+        announced meanwhile (that one is staged for a later batch), so which weights sample a batch never
+        depends on how far ahead the training pool is."""
+        if exact:
+            while self._agreed_update_waiting():  # off the stream, so the sender does not wait on this batch
+                self._receive(into_engine=False)
+            self._load_staged_up_to(version)
+            while self.weights_version < version:
+                self._wait_for_announcement(version)
+                self._receive(into_engine=False)
+                self._load_staged_up_to(version)
+            return
+        while self._staged:
+            staged = self._staged.popleft()
             self._load(staged, staged.version)
         while self._agreed_update_waiting() or self.weights_version < version:
             self._wait_for_announcement(version)
             self._receive(into_engine=True)
+
+    def _load_staged_up_to(self, version: int) -> None:
+        while self._staged and self._staged[0].version <= version:
+            staged = self._staged.popleft()
+            self._load(staged, staged.version)
 
     def _agreed_update_waiting(self) -> bool:
         waiting = self._update_waiting()
@@ -138,9 +159,11 @@ class RolloutWorker(Worker):
             left = stream.drain()
             if left:
                 raise RuntimeError(f"vLLM's weight loader stopped {left} tensors before the end of the update")
-            self._staged = None  # an older staged update is superseded
+            self._staged.clear()  # an older staged update is superseded
         else:
-            self._staged = StagedWeights(self.weight_group, self.manifest, version)
+            if not self._exact_versions:
+                self._staged.clear()  # superseded: the next generation takes the newest
+            self._staged.append(StagedWeights(self.weight_group, self.manifest, version))
         self._updates_received += 1
 
     def _load(self, tensors, version: int) -> None:
@@ -159,10 +182,12 @@ class RolloutWorker(Worker):
         The output's `rollout_versions` holds each token's policy version."""
         if self.weights_version < 0 and (getattr(self, "weight_group", None) is None or not self._update_waiting()):
             raise RuntimeError("generate_sequences() before any weights arrived; call receive_weights() first")
-        control = {key: prompts.meta_info.get(key) for key in ("min_weights_version", "updates_in_flight")}
+        control = {key: prompts.meta_info.get(key) for key in ("min_weights_version", "updates_in_flight",
+                                                                 "exact_weights_version")}
         # (not passed on: batches generated apart must agree on their meta_info when concatenated)
         prompts.meta_info = {k: v for k, v in prompts.meta_info.items() if k not in control}
-        self._catch_up(int(control["min_weights_version"] or 0))
+        self._exact_versions = bool(control["exact_weights_version"])
+        self._catch_up(int(control["min_weights_version"] or 0), self._exact_versions)
         started = time.perf_counter()
         # the engine had nothing to do since its last generation, but for loading weights
         idle = 0.0 if self._generation_end is None else started - self._generation_end - self._load_s
@@ -194,8 +219,9 @@ class RolloutWorker(Worker):
         partial = bool(self.config.rollout.partial_rollout)
 
         def between_steps(busy: bool) -> None:
-            if self._staged is not None and not busy:  # nothing runs: the staged update goes in now
-                staged, self._staged = self._staged, None
+            if self._staged and not busy:  # nothing runs: the staged update goes in now
+                staged = self._staged.pop()
+                self._staged.clear()
                 self._load(staged, staged.version)
 
         return serve_with(self.rollout, self.context, router, self.generation_config, self.tokenizer,

@@ -189,7 +189,7 @@ def _sources(log: list, seen_meta: list):
             "position_ids": torch.arange(3).repeat(2, 1)}
     config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray"}, "reward_model": {"enable": False},
                                "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": False}}})
-    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
+    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version, exact: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9, "collectives": 3.0}])
     colocated = RolloutSource(config, _FakeGroup(log, generate_sequences=generate), Loader([rows] * 8))
     split = SplitRolloutSource(config, generator, Loader([rows] * 8), actor)
@@ -272,7 +272,7 @@ def test_with_partial_rollouts_a_batch_with_a_token_newer_than_the_restored_weig
     log = []
     config = OmegaConf.create({"trainer": {"async_steps": 2, "backend": "ray"}, "reward_model": {"enable": False},
                                "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": True}}})
-    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version: None)
+    generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version, exact: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 1.0, "collectives": 1.0}])
     rows = iter(range(100))
     batches = ({"input_ids": torch.full((2, 3), next(rows)), "attention_mask": torch.ones(2, 3, dtype=torch.long),

@@ -4,6 +4,7 @@ default process group, carrying each tensor of the manifest in order, in the rol
 import dataclasses
 import threading
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -253,3 +254,55 @@ def test_updates_are_announced_before_their_broadcasts_and_can_be_staged_in_host
     assert staged.version == 5 and all(t.device.type == "cpu" for _, t in staged.tensors)
     got = dict(staged)
     assert list(got) == list(WEIGHTS) and all(torch.equal(got[n], t) for n, t in WEIGHTS.items())
+
+
+class _Announcements:
+    """The sender's side of the stream as a rollout rank sees it: updates announced, one outstanding at a time."""
+
+    def __init__(self, *versions: int):
+        self.versions = list(versions)
+        self.taken = 0
+
+    def updates_announced(self) -> int:
+        return len(self.versions)
+
+    def announced_version(self) -> int:
+        return self.versions[self.taken]
+
+
+@pytest.mark.parametrize("exact,loaded", [(False, [1, 2]), (True, [1])])
+def test_a_deterministic_pool_samples_each_batch_with_exactly_its_version(monkeypatch, exact, loaded):
+    """k >= 2: version 1 arrived (staged) while the pool generated, and version 2 is announced when the batch
+    submitted at version 1 starts. Without exact versions the batch gets whatever arrived (2), so its weights
+    depend on how far ahead the training pool ran; with them (trainer.deterministic) it gets 1, and 2 is
+    taken off the stream, staged for the next batch, so the sender never waits on this one."""
+    from hflow.workers import rollout_worker
+    from hflow.workers.rollout_worker import RolloutWorker
+
+    class Staged:
+        def __init__(self, group, manifest, version):
+            self.version = version
+            group.taken += 1
+
+    class Streamed(Staged):
+        def __init__(self, group, manifest):
+            group.taken += 1
+
+        def drain(self):
+            return 0
+
+    monkeypatch.setattr(rollout_worker, "StagedWeights", Staged)
+    monkeypatch.setattr(rollout_worker, "StreamedWeights", Streamed)
+    worker = object.__new__(RolloutWorker)
+    worker.weights_version, worker._updates_received, worker._load_s = 0, 0, 0.0
+    worker._staged, worker._exact_versions, worker._tp_agree, worker.manifest = deque(), exact, None, object()
+    worker.weight_group = _Announcements(1, 2)
+    taken_into = []
+    worker._load = lambda tensors, version: (taken_into.append(version), setattr(worker, "weights_version", version))
+    worker._receive(into_engine=False)  # during the last generation: version 1, staged
+    worker._catch_up(1, exact)  # the batch submitted at version 1 starts; version 2 is announced
+    assert taken_into == loaded
+    assert worker.weight_group.taken == 2  # both off the stream either way
+    assert [s.version for s in worker._staged] == ([2] if exact else [])
+    worker._catch_up(2, exact)  # the next batch gets version 2
+    assert worker.weights_version == 2

@@ -325,6 +325,9 @@ class SplitRolloutSource(RolloutSource):
         self._stream_metrics: dict[str, float] = {}  # the latest weight stream's, for the next step's log
         self._weight_manifest = None
         self._starting: GroupCall | None = None  # the rollout pool's init_model
+        # trainer.deterministic: a batch is sampled by exactly the version it was submitted with (the pool
+        # stages newer updates for later batches), not by whatever arrived before its generation started
+        self.exact_versions = bool(config.trainer.get("deterministic", False))
 
     def start(self, seed: int) -> None:
         """Seed the rollout pool and start building its engines (they start while the models load)."""
@@ -354,7 +357,8 @@ class SplitRolloutSource(RolloutSource):
             return
         started = time.perf_counter()
         send = self.actor.start(ActorRolloutRefWorker.send_weights, self._weight_manifest, self.version)
-        self._receive = self.generator.start(RolloutWorker.receive_weights, self._weight_manifest, self.version)
+        self._receive = self.generator.start(RolloutWorker.receive_weights, self._weight_manifest, self.version,
+                                             self.exact_versions)
         sent = send.result()[0]
         self.engine_version = self.version
         self._stream_metrics = {"timing_s/weight_stream": time.perf_counter() - started,
@@ -365,6 +369,7 @@ class SplitRolloutSource(RolloutSource):
         gen_batch.meta_info["min_weights_version"] = self.version  # the pool waits for this version's weights
         # more batches queue behind this one: updates must reach the pool while it generates
         gen_batch.meta_info["updates_in_flight"] = self.async_steps >= 2
+        gen_batch.meta_info["exact_weights_version"] = self.exact_versions
 
     def _take_stream_metrics(self) -> dict[str, float]:
         metrics, self._stream_metrics = self._stream_metrics, {}

@@ -27,7 +27,7 @@ from hflow.agent.loop import agent_metrics
 
 __all__ = ["RoutedCall", "RoutedGeneration", "assemble_routed"]
 
-CONTROL_KEYS = ("min_weights_version", "updates_in_flight")  # the static path's; the router has its own
+CONTROL_KEYS = ("min_weights_version", "updates_in_flight", "exact_weights_version")  # the static path's; the router has its own
 
 
 class RoutedGeneration:
