@@ -703,14 +703,14 @@ def test_log_ratio_is_clamped():
 def test_policy_loss_all_masked_and_argument_errors():
     old, new, adv, _ = _policy_batch(0)
     mask = torch.zeros_like(old)
-    for name in ("vanilla", "gspo", "gpg"):
+    for name in ("vanilla", "gspo", "gpg", "cispo", "sapo"):
         loss, metrics = ca.get_policy_loss_fn(name)(old, new.requires_grad_(), adv, mask)
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
     with pytest.raises(ValueError, match="clip_ratio_c"):
         ca.compute_policy_loss(old, new, adv, mask, cliprange=0.2, clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="cliprange"):
         ca.compute_policy_loss(old, new, adv, mask, cliprange_low=0.2)
-    with pytest.raises(ValueError, match="Unknown policy loss mode 'ppo'.*gpg, gspo, vanilla"):
+    with pytest.raises(ValueError, match="Unknown policy loss mode 'ppo'.*cispo, gpg, gspo, sapo, vanilla"):
         ca.get_policy_loss_fn("ppo")
 
 

@@ -237,6 +237,13 @@ RANGES = [
     (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], ["actor_rollout_ref.actor.clip_ratio_high"]),
     (["actor_rollout_ref.actor.clip_ratio_c=1"], ["actor_rollout_ref.actor.clip_ratio_c", "> 1"]),
     (["actor_rollout_ref.actor.grad_clip=0"], ["actor_rollout_ref.actor.grad_clip"]),
+    # issue 52: CISPO's weight bounds, SAPO's temperatures
+    (["actor_rollout_ref.actor.policy_loss.cispo_clip_ratio_low=1.5"],
+     ["actor_rollout_ref.actor.policy_loss.cispo_clip_ratio_low", "[0, 1]"]),
+    (["actor_rollout_ref.actor.policy_loss.cispo_clip_ratio_high=0"],
+     ["actor_rollout_ref.actor.policy_loss.cispo_clip_ratio_high", "> 0"]),
+    (["actor_rollout_ref.actor.policy_loss.tau_pos=0"], ["actor_rollout_ref.actor.policy_loss.tau_pos", "> 0"]),
+    (["actor_rollout_ref.actor.policy_loss.tau_neg=-1"], ["actor_rollout_ref.actor.policy_loss.tau_neg", "> 0"]),
     (["actor_rollout_ref.actor.kl_loss_coef=-1"], ["actor_rollout_ref.actor.kl_loss_coef"]),
     (["actor_rollout_ref.actor.optim.num_cycles=-1"], ["actor_rollout_ref.actor.optim.num_cycles"]),
     (["critic.cliprange_value=0"], ["critic.cliprange_value"]),
