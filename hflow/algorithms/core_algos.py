@@ -32,6 +32,7 @@ from hflow.algorithms.advantages import (  # noqa: F401 (re-exported: the contra
     GroupIndex,
     call_adv_estimator,
     compute_gae_advantage_return,
+    compute_gdpo_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
     compute_grpo_turn_return_advantage,

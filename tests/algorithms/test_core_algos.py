@@ -283,6 +283,8 @@ def test_every_estimator_is_zero_and_finite_outside_the_mask(name):
         gamma=0.9,
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
+        reward_scores={"a": rewards.sum(-1), "b": -rewards.sum(-1) ** 2},  # gdpo's named rewards
+        reward_weights={"a": 1.0, "b": 0.5},
     )
     adv, ret = ca.call_adv_estimator(name, **inputs)
     for out in (adv, ret):
@@ -409,7 +411,7 @@ def test_registry_lookup():
     assert ca.get_adv_estimator_fn("gae") is ca.compute_gae_advantage_return
     assert ca.get_adv_estimator_fn(ca.AdvantageEstimator.GRPO) is ca.compute_grpo_outcome_advantage
     assert {str(e) for e in ca.AdvantageEstimator} <= set(advantages._ADV_ESTIMATORS)
-    with pytest.raises(ValueError, match="Unknown advantage estimator 'GAE'.*gae, grpo"):
+    with pytest.raises(ValueError, match="Unknown advantage estimator 'GAE'.*gae, gdpo, grpo"):
         ca.get_adv_estimator_fn("GAE")
 
 

@@ -250,6 +250,11 @@ RANGES = [
     (["critic.grad_clip=-1"], ["critic.grad_clip"]),
     # the algorithm
     (["algorithm.gamma=1.5"], ["algorithm.gamma", "[0, 1]"]),
+    (["algorithm.adv_estimator=gdpo"], ["algorithm.adv_estimator=gdpo", "algorithm.reward_weights is null"]),
+    (["algorithm.adv_estimator=grpo", "algorithm.reward_weights={correct: 1}"],
+     ["algorithm.reward_weights is set but algorithm.adv_estimator=grpo"]),
+    (["algorithm.adv_estimator=gdpo", "algorithm.reward_weights={correct: oops}"],
+     ["algorithm.reward_weights.correct='oops'"]),
     (["algorithm.lam=-0.5"], ["algorithm.lam"]),
     (["algorithm.rollout_mask.token_low=2", "algorithm.rollout_mask.token_high=0.5"],
      ["algorithm.rollout_mask.token_low=2 must be < algorithm.rollout_mask.token_high=0.5"]),
