@@ -12,9 +12,9 @@ built-in settings (config/builtin_task.yaml, in the results' options) and seed s
     gdpo      algorithm.adv_estimator=gdpo algorithm.reward_weights='{correct: 1.0, format: 0.25}'
     grpo-sum  algorithm.adv_estimator=grpo   (trains on score = correct + format)
 
-Greedy validation on the 40 held-out problems scores correctness only. A policy that games `format` alone is
-right only where the right answer is odd: that share of the validation problems is reported as the ceiling of
-gaming. Writes bench/results/gdpo_task.{md,json}.
+Greedy validation on the 40 held-out problems scores correctness only. A policy that has learned exactly what
+`format` pays for (the right answer where it is odd, the habit where it is even) scores the share of odd right
+answers, reported beside the table. Writes bench/results/gdpo_task.{md,json}.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def run_arm(arm: str, steps: int, seed: int, work: Path, threads: int | None = N
 
 
 def odd_answer_share() -> float:
-    """The share of validation problems whose right answer is odd: what gaming `format` alone can score."""
+    """The share of validation problems whose right answer is odd: the accuracy of a policy that does exactly
+    what `format` pays for."""
     import pyarrow.parquet as pq
 
     from hflow.tasks.builtin_task import ensure_builtin_assets
@@ -92,7 +93,8 @@ def render(result: dict) -> str:
         f"Options: {json.dumps(result['options'])}.",
         "",
         "Greedy validation accuracy (correctness only) on the 40 held-out problems, every 2 steps. "
-        f"Gaming `format` alone scores at most {result['odd_answer_share']:.3f} (the share of odd right answers).",
+        f"A policy that does exactly what `format` pays for scores {result['odd_answer_share']:.3f} "
+        "(the share of odd right answers).",
         "",
         "| arm | seed | first | max | last | last step's train correct | last step's train format (0-10) | seconds |",
         "|---|---|---|---|---|---|---|---|",
