@@ -110,6 +110,8 @@ def algo(**keys):
     ({"reward_weights": {"correct": "high"}}, "algorithm.reward_weights.correct='high' must be a finite number"),
     ({"reward_weights": {"correct": 0.0, "format": 0}}, "all 0"),
     ({"use_kl_in_reward": True}, "use_kl_in_reward"),
+    ({"distill": {"coef": 0.5}}, "algorithm.distill.coef=0.5\\) would be ignored"),
+    ({"turn_rewards": "token"}, "algorithm.turn_rewards=token would be ignored"),
 ])
 def test_bad_reward_weights_are_refused_naming_the_key(keys, match):
     with pytest.raises(ConfigError, match=match):
