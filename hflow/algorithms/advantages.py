@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ class AdvantageEstimator(enum.StrEnum):
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
     REMAX = "remax"
     OPO = "opo"
+    GDPO = "gdpo"
 
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -169,14 +170,53 @@ def compute_grpo_outcome_advantage(
     A group of one has no peers to compare with: mean 0, std 1, so A_i = S_i / (1 + epsilon).
     returns = advantages.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    adv = _group_normalize(token_level_rewards.sum(dim=-1), index, epsilon, norm_adv_by_std_in_grpo)
+    advantages = _broadcast(adv, response_mask)
+    return advantages, advantages
+
+
+def _group_normalize(scores: torch.Tensor, index: GroupIndex, epsilon: float, by_std: bool) -> torch.Tensor:
+    """GRPO's per-sample A_i = (S_i - mean_G S) / (std_G S + epsilon) (without `by_std`: S_i - mean_G S);
+    a group of one: mean 0, std 1."""
     size, total, std = _group_stats(scores, _group_ids(index, scores.device))
     single = size == 1
-    mean = torch.where(single, 0.0, total / size)
-    std = torch.where(single, 1.0, std)
-    adv = scores - mean
-    if norm_adv_by_std_in_grpo:
-        adv = adv / (std + epsilon)
+    adv = scores - torch.where(single, 0.0, total / size)
+    return adv / (torch.where(single, 1.0, std) + epsilon) if by_std else adv
+
+
+def gdpo_weighted_parts(reward_scores: Mapping[str, torch.Tensor], reward_weights: Mapping[str, float],
+                        index: GroupIndex, epsilon: float = 1e-6, by_std: bool = True) -> dict[str, torch.Tensor]:
+    """GDPO's w_k A_i^k per reward k (N,): each reward group-normalized, times its weight."""
+    return {name: float(weight) * _group_normalize(reward_scores[name].to(torch.float64), index, epsilon, by_std)
+            for name, weight in reward_weights.items()}
+
+
+@register_adv_est(AdvantageEstimator.GDPO)
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    reward_scores: Mapping[str, torch.Tensor],
+    reward_weights: Mapping[str, float],
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, group reward-decoupled normalization (NVIDIA, Liu et al. 2026), for several named rewards:
+
+        A_i^k = (r_i^k - mean_G r^k) / (std_G r^k + epsilon)     each reward k within the group (GRPO's rule)
+        S_i   = sum_k w_k A_i^k                                    the weighted sum of the normalized rewards
+        A_i   = (S_i - mean_B S) / (std_B S + epsilon)             then over the whole batch B
+
+    Normalizing each reward before the sum is the point: with the plain sum, a reward on a 100x larger scale
+    decides every advantage and the small one is drowned; here each reward moves the advantage by its weight
+    whatever its scale. `reward_scores` maps each name of `reward_weights` to the samples' scores (N,);
+    `norm_adv_by_std_in_grpo=False` drops the per-group std (Dr.GRPO), the batch step stays. The token-level
+    rewards (the `score` and any KL in it) are not read. returns = advantages.
+    """
+    parts = gdpo_weighted_parts(reward_scores, reward_weights, index, epsilon, norm_adv_by_std_in_grpo)
+    total = torch.stack(list(parts.values())).sum(dim=0).to(torch.float32)
+    std = total.std() if total.numel() > 1 else torch.ones_like(total.mean())
+    adv = (total - total.mean()) / (std + epsilon)
     advantages = _broadcast(adv, response_mask)
     return advantages, advantages
 

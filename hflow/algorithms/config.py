@@ -4,8 +4,9 @@ section's own check."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hflow.algorithms import core_algos
 from hflow.config_schema import ConfigError, ConfigErrors, check_choice, check_fraction, check_non_negative, check_positive, check_positive_number
@@ -14,7 +15,7 @@ LOSS_AGG_MODES = tuple(mode.value for mode in core_algos.LossAggMode)
 KL_TYPES = core_algos.KL_PENALTY_NAMES  # each also with a trailing '+' (straight-through gradient)
 KL_CONTROLLERS = ("fixed", "adaptive")
 # Estimators that compare the samples of one prompt: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gdpo")
 # What the step/turn rewards of multi-turn episodes (tools, environments, simulated users) do.
 TURN_REWARD_MODES = ("ignore", "token", "turn_return")
 
@@ -72,6 +73,7 @@ class AlgorithmConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
+    reward_weights: Any = None  # GDPO: {name: weight} of the reward function's dict keys ('score' = its score); null = off
     turn_rewards: str = "ignore"  # ignore | token (added on their turn's last token) | turn_return (GRPO on turn returns)
     turn_gamma: float = 1.0  # turn_return: the discount per turn
 
@@ -151,6 +153,47 @@ def check_distill_coefs(algo) -> None:
             "does not contain: the advantages would be biased by the distillation reward. Use adv_estimator=grpo, "
             "rloo or gae with distillation, or distill with algorithm.distill.jsd_coef alone (coef=0, "
             "task_reward_coef=1)")
+
+
+def check_reward_weights(algo) -> None:
+    """`algorithm.reward_weights` exactly with `adv_estimator=gdpo`: a mapping of names to finite weights, not
+    all 0 (that the reward function returns each name: the reward probe). GDPO builds the advantage from these
+    rewards alone, so a KL penalty in the reward would be ignored: refused."""
+    weights, gdpo = algo.get("reward_weights"), algo.adv_estimator == "gdpo"
+    if weights is None:
+        if gdpo:
+            raise ConfigError("algorithm.adv_estimator=gdpo normalizes several named rewards, but "
+                              "algorithm.reward_weights is null; give them, e.g. algorithm.reward_weights="
+                              "'{correct: 1.0, format: 0.5}' (keys of the dict your reward function returns)")
+        return
+    if not gdpo:
+        raise ConfigError(f"algorithm.reward_weights is set but algorithm.adv_estimator={algo.adv_estimator}; the "
+                          "weights are read by adv_estimator=gdpo only (set it), or set reward_weights=null")
+    if not hasattr(weights, "items") or len(weights) == 0:
+        raise ConfigError(f"algorithm.reward_weights={weights!r} must map reward names to weights, e.g. "
+                          "'{correct: 1.0, format: 0.5}'")
+    errors = ConfigErrors()
+    for name, weight in weights.items():
+        with errors.catch():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ConfigError(f"algorithm.reward_weights.{name}={weight!r} must be a finite number (the weight "
+                                  "of that reward's group-normalized advantage)")
+    errors.raise_any()
+    if all(float(w) == 0 for w in weights.values()):
+        raise ConfigError("algorithm.reward_weights are all 0: no reward to learn from; give one a weight != 0")
+    if algo.use_kl_in_reward:
+        raise ConfigError("algorithm.adv_estimator=gdpo builds the advantage from algorithm.reward_weights' rewards, "
+                          "not from the KL-penalised token rewards; use actor_rollout_ref.actor.use_kl_loss=true "
+                          "instead of algorithm.use_kl_in_reward")
+    # the other rewards that live only in the token-level rewards, which gdpo does not read
+    distill_coef = float(algo.get("distill", {}).get("coef", 0.0) or 0.0)
+    if distill_coef > 0:
+        raise ConfigError(f"algorithm.adv_estimator=gdpo does not read the token-level rewards, so the distillation "
+                          f"reward (algorithm.distill.coef={distill_coef:g}) would be ignored; set distill.coef=0 "
+                          "(distill.jsd_coef works: it is in the actor's loss) or use adv_estimator=grpo")
+    if algo.get("turn_rewards", "ignore") != "ignore":
+        raise ConfigError(f"algorithm.adv_estimator=gdpo does not read the token-level rewards, so "
+                          f"algorithm.turn_rewards={algo.turn_rewards} would be ignored; set turn_rewards=ignore")
 
 
 def check_turn_rewards(algo) -> None:

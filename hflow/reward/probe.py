@@ -18,6 +18,7 @@ user-registered manager that is not a `NaiveRewardManager` (its calling conventi
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import Any
 
 from omegaconf import DictConfig
@@ -64,6 +65,7 @@ def probe_reward(config: DictConfig) -> int:
         manager.close()
     failed = [i for i, result in enumerate(results) if isinstance(result, str)]
     if not failed:
+        _check_weighted_keys(config, path, rows, probes, results)
         return len(rows)
     index, response = probes[failed[0]]
     first = _failure(config, path, index, rows[index], response, results[failed[0]])
@@ -73,6 +75,23 @@ def probe_reward(config: DictConfig) -> int:
               f"0); the first: {first}", flush=True)
         return len(rows)
     raise ConfigError(first)
+
+
+def _check_weighted_keys(config: DictConfig, path: str, rows: list, probes: list, results: list) -> None:
+    """GDPO: every name of `algorithm.reward_weights` (but `score`) is a key of each probed result's dict."""
+    weights = config.algorithm.get("reward_weights")
+    if not weights:
+        return
+    for (index, response), result in zip(probes, results):
+        extras = result[1] if isinstance(result, tuple) else {}
+        for name in weights:
+            if name != "score" and not isinstance(extras.get(name), numbers.Real):
+                scored_with = "its ground truth" if response is None else f"the wrong answer {response!r}"
+                raise ConfigError(
+                    f"algorithm.reward_weights names {name!r}, but the reward function's result for row {index} of "
+                    f"{path} (scored with {scored_with}) has no number under that key (its keys: "
+                    f"{sorted(['score', *extras])}); return {{'score': ..., {name!r}: ...}} from the function or "
+                    f"drop {name!r} from algorithm.reward_weights; nothing has started yet")
 
 
 def _probe_rows(path: str, reward_fn_key: str) -> list[dict[str, Any]]:

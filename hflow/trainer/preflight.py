@@ -26,6 +26,7 @@ from hflow.algorithms.config import (
     check_kl_in_reward,
     check_old_log_probs,
     check_reward_clip,
+    check_reward_weights,
     check_turn_rewards,
     check_rollout_mask,
     rollout_mask_on,
@@ -152,6 +153,7 @@ def preflight_check(config: DictConfig) -> None:
 
             run(load_interactions, rollout.multi_turn.interaction_config_path)
     run(check_turn_rewards, algo)
+    run(check_reward_weights, algo)
     with errors.catch():
         if algo.turn_rewards != "ignore" and not rollout.multi_turn.enable:
             raise ConfigError(f"algorithm.turn_rewards={algo.turn_rewards} trains on the turn rewards of multi-turn "

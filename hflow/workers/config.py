@@ -33,6 +33,7 @@ from hflow.config_schema import (
     ConfigError,
     ConfigErrors,
     check_choice,
+    check_fraction,
     check_non_negative,
     check_positive,
     check_positive_number,
@@ -205,6 +206,11 @@ class ModelConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
+    # cispo: the importance weight sg(rho) is clipped to [1 - low, 1 + high]; low null = no lower bound
+    cispo_clip_ratio_low: Optional[float] = None
+    cispo_clip_ratio_high: float = 0.28
+    tau_pos: float = 1.0  # sapo: the gate's temperature on tokens with A > 0
+    tau_neg: float = 1.05  # sapo: ... with A <= 0 (SAPO damps them harder: tau_neg > tau_pos)
 
 
 @dataclass
@@ -298,6 +304,13 @@ def check_actor_ranges(actor: Any) -> None:
         if not float(actor.clip_ratio_c) > 1:
             raise ConfigError(f"{prefix}.clip_ratio_c must be > 1 (the dual clip's lower bound on negative "
                               f"advantages, e.g. 3), got {actor.clip_ratio_c}")
+    loss = actor.policy_loss
+    errors.run(check_fraction, loss.cispo_clip_ratio_low, f"{prefix}.policy_loss.cispo_clip_ratio_low",
+               "the CISPO weight's lower bound is 1 - low; null: no lower bound", null_ok=True)
+    errors.run(check_positive_number, loss.cispo_clip_ratio_high, f"{prefix}.policy_loss.cispo_clip_ratio_high",
+               "the CISPO weight's upper bound is 1 + high, e.g. 0.28")
+    for key in ("tau_pos", "tau_neg"):
+        errors.run(check_positive_number, loss[key], f"{prefix}.policy_loss.{key}", "the SAPO gate's temperature, e.g. 1.0")
     errors.run(check_non_negative, actor.kl_loss_coef, f"{prefix}.kl_loss_coef")
     errors.run(check_non_negative, actor.entropy_coeff, f"{prefix}.entropy_coeff", "0: no entropy bonus")
     errors.run(check_non_negative, actor.router_aux_loss_coef, f"{prefix}.router_aux_loss_coef",

@@ -283,6 +283,8 @@ def test_every_estimator_is_zero_and_finite_outside_the_mask(name):
         gamma=0.9,
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
+        reward_scores={"a": rewards.sum(-1), "b": -rewards.sum(-1) ** 2},  # gdpo's named rewards
+        reward_weights={"a": 1.0, "b": 0.5},
     )
     adv, ret = ca.call_adv_estimator(name, **inputs)
     for out in (adv, ret):
@@ -409,7 +411,7 @@ def test_registry_lookup():
     assert ca.get_adv_estimator_fn("gae") is ca.compute_gae_advantage_return
     assert ca.get_adv_estimator_fn(ca.AdvantageEstimator.GRPO) is ca.compute_grpo_outcome_advantage
     assert {str(e) for e in ca.AdvantageEstimator} <= set(advantages._ADV_ESTIMATORS)
-    with pytest.raises(ValueError, match="Unknown advantage estimator 'GAE'.*gae, grpo"):
+    with pytest.raises(ValueError, match="Unknown advantage estimator 'GAE'.*gae, gdpo, grpo"):
         ca.get_adv_estimator_fn("GAE")
 
 
@@ -703,14 +705,14 @@ def test_log_ratio_is_clamped():
 def test_policy_loss_all_masked_and_argument_errors():
     old, new, adv, _ = _policy_batch(0)
     mask = torch.zeros_like(old)
-    for name in ("vanilla", "gspo", "gpg"):
+    for name in ("vanilla", "gspo", "gpg", "cispo", "sapo"):
         loss, metrics = ca.get_policy_loss_fn(name)(old, new.requires_grad_(), adv, mask)
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
     with pytest.raises(ValueError, match="clip_ratio_c"):
         ca.compute_policy_loss(old, new, adv, mask, cliprange=0.2, clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="cliprange"):
         ca.compute_policy_loss(old, new, adv, mask, cliprange_low=0.2)
-    with pytest.raises(ValueError, match="Unknown policy loss mode 'ppo'.*gpg, gspo, vanilla"):
+    with pytest.raises(ValueError, match="Unknown policy loss mode 'ppo'.*cispo, gpg, gspo, sapo, vanilla"):
         ca.get_policy_loss_fn("ppo")
 
 

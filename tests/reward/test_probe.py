@@ -130,3 +130,22 @@ def test_a_url_where_nothing_listens_stops_within_seconds_without_advising_zero_
 
 def test_a_reward_model_alone_is_not_probed(files):
     assert probe_reward(config_for(files, reward_model=True)) == 0
+
+
+def test_a_weighted_reward_key_the_function_does_not_return_stops_in_preflight(files, tmp_path):
+    """GDPO (issue 52): each name of algorithm.reward_weights must be a key of the function's dict."""
+    two = tmp_path / "two.py"
+    two.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    return {'score': 1.0, 'correct': 1.0, 'format': 0.0}\n")
+    config = config_for(files, path=str(two))
+    with open_dict(config):
+        config.algorithm.adv_estimator = "gdpo"
+        config.algorithm.reward_weights = {"correct": 1.0, "format": 0.5, "score": 0.1}
+    assert probe_reward(config) == PROBE_ROWS
+    with open_dict(config):
+        config.algorithm.reward_weights = {"correct": 1.0, "length": 0.5}
+    with pytest.raises(ConfigError) as error:
+        probe_reward(config)
+    for words in ("algorithm.reward_weights names 'length'", "row 0 of", "['correct', 'format', 'score']",
+                  "nothing has started yet"):
+        assert words in str(error.value), (words, str(error.value))

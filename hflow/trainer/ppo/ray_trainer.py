@@ -29,6 +29,7 @@ from hflow.algorithms import core_algos
 from hflow.algorithms.distill import mix_distillation_reward
 from hflow.algorithms.config import rollout_mask_bands, rollout_mask_on
 from hflow.reward import dynamic_sampling as dapo
+from hflow.reward import multi_reward
 from hflow.reward import shaping as reward_shaping
 from hflow.reward.batch_scorer import BatchScorer, response_mask as compute_response_mask
 from hflow.reward.judge import judge_has_own_process
@@ -78,8 +79,9 @@ def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str, scores: torch.T
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
-def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
-    """Write `advantages` and `returns` with the estimator named by `algorithm.adv_estimator`."""
+def compute_advantage(batch: DataProto, algorithm: DictConfig) -> dict[str, float]:
+    """Write `advantages` and `returns` with the estimator named by `algorithm.adv_estimator`; returns its
+    metrics (GDPO: each reward's share of the advantage)."""
     inputs = {
         "token_level_rewards": batch.batch["token_level_rewards"],
         "response_mask": batch.batch["response_mask"],
@@ -90,6 +92,12 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
         "lam": algorithm.lam,
         "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
     }
+    metrics: dict[str, float] = {}
+    if algorithm.get("reward_weights"):  # GDPO: the named rewards' columns (preflight: adv_estimator is gdpo)
+        weights = dict(algorithm.reward_weights)
+        inputs.update(reward_scores=multi_reward.reward_scores(batch, weights), reward_weights=weights)
+        metrics = multi_reward.gdpo_metrics(inputs["reward_scores"], weights, inputs["index"],
+                                            algorithm.norm_adv_by_std_in_grpo)
     if algorithm.turn_rewards == "turn_return":  # GRPO on per-turn returns (preflight: adv_estimator is grpo)
         advantages, returns = core_algos.compute_grpo_turn_return_advantage(
             inputs["token_level_rewards"], inputs["response_mask"], inputs["index"], turn_gamma=algorithm.turn_gamma,
@@ -99,6 +107,7 @@ def compute_advantage(batch: DataProto, algorithm: DictConfig) -> None:
             algorithm.adv_estimator, **{k: v for k, v in inputs.items() if v is not None})
     batch.batch["advantages"] = advantages
     batch.batch["returns"] = returns
+    return metrics
 
 
 def make_worker_group(trainer_cfg: DictConfig, cls_with_init: ClassWithInitArgs,
@@ -366,7 +375,7 @@ class RayPPOTrainer:
                 metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty, scores))
             else:
                 batch.batch["token_level_rewards"] = scores
-            compute_advantage(batch, algo)
+            metrics.update(compute_advantage(batch, algo))
         metrics["training/zero_adv_group_frac"] = zero_advantage_group_frac(
             batch.batch["advantages"], batch.batch["response_mask"], batch.non_tensor_batch["uid"])
 
@@ -411,6 +420,9 @@ class RayPPOTrainer:
             batch.batch["response_mask"] = compute_response_mask(batch)
         with timer("reward", timing):
             batch.batch["token_level_scores"], reward, score_metrics = self.scorer.score_training(batch)
+            if self.config.algorithm.get("reward_weights"):  # GDPO: each named reward as a column of the batch
+                multi_reward.attach_reward_columns(batch, reward.get("reward_extra_info", {}),
+                                                   self.config.algorithm.reward_weights)
         metrics.update(score_metrics)
         return batch, reward
 
