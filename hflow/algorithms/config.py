@@ -186,12 +186,12 @@ def check_reward_weights(algo) -> None:
                           "not from the KL-penalised token rewards; use actor_rollout_ref.actor.use_kl_loss=true "
                           "instead of algorithm.use_kl_in_reward")
     # the other rewards that live only in the token-level rewards, which gdpo does not read
-    distill_coef = float(algo.get("distill", {}).get("coef", 0.0) or 0.0)
+    distill_coef = float(algo.distill.coef or 0.0)
     if distill_coef > 0:
         raise ConfigError(f"algorithm.adv_estimator=gdpo does not read the token-level rewards, so the distillation "
                           f"reward (algorithm.distill.coef={distill_coef:g}) would be ignored; set distill.coef=0 "
                           "(distill.jsd_coef works: it is in the actor's loss) or use adv_estimator=grpo")
-    if algo.get("turn_rewards", "ignore") != "ignore":
+    if algo.turn_rewards != "ignore":
         raise ConfigError(f"algorithm.adv_estimator=gdpo does not read the token-level rewards, so "
                           f"algorithm.turn_rewards={algo.turn_rewards} would be ignored; set turn_rewards=ignore")
 

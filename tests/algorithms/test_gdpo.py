@@ -99,7 +99,8 @@ def test_a_weighted_key_the_reward_did_not_return_stops_naming_it():
 
 
 def algo(**keys):
-    base = {"adv_estimator": "gdpo", "reward_weights": {"correct": 1.0}, "use_kl_in_reward": False}
+    base = {"adv_estimator": "gdpo", "reward_weights": {"correct": 1.0}, "use_kl_in_reward": False,
+            "distill": {"coef": 0.0}, "turn_rewards": "ignore"}
     return OmegaConf.create({**base, **keys})
 
 

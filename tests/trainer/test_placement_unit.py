@@ -187,7 +187,7 @@ def _sources(log: list, seen_meta: list):
 
     rows = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
             "position_ids": torch.arange(3).repeat(2, 1)}
-    config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray"}, "reward_model": {"enable": False},
+    config = OmegaConf.create({"trainer": {"async_steps": 0, "backend": "ray", "deterministic": False}, "reward_model": {"enable": False},
                                "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": False}}})
     generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version, exact: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 2e9, "collectives": 3.0}])
@@ -270,7 +270,7 @@ def test_with_partial_rollouts_a_batch_with_a_token_newer_than_the_restored_weig
                                     "rollout_versions": versions}, meta_info={"metrics": {}})
 
     log = []
-    config = OmegaConf.create({"trainer": {"async_steps": 2, "backend": "ray"}, "reward_model": {"enable": False},
+    config = OmegaConf.create({"trainer": {"async_steps": 2, "backend": "ray", "deterministic": False}, "reward_model": {"enable": False},
                                "actor_rollout_ref": {"rollout": {"admission": "static", "partial_rollout": True}}})
     generator = _FakeGroup(log, generate_sequences=generate, receive_weights=lambda manifest, version, exact: None)
     actor = _FakeGroup(log, send_weights=lambda manifest, version: [{"bytes": 1.0, "collectives": 1.0}])

@@ -327,7 +327,7 @@ class SplitRolloutSource(RolloutSource):
         self._starting: GroupCall | None = None  # the rollout pool's init_model
         # trainer.deterministic: a batch is sampled by exactly the version it was submitted with (the pool
         # stages newer updates for later batches), not by whatever arrived before its generation started
-        self.exact_versions = bool(config.trainer.get("deterministic", False))
+        self.exact_versions = bool(config.trainer.deterministic)
 
     def start(self, seed: int) -> None:
         """Seed the rollout pool and start building its engines (they start while the models load)."""
