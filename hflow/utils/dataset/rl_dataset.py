@@ -1,10 +1,11 @@
-"""RLHFDataset: chat prompts from parquet, templated, tokenized and left-padded for generation.
+"""RLHFDataset: chat prompts from data files (parquet, JSON lines or a save_to_disk folder: `sources`), templated,
+tokenized and left-padded for generation.
 
-Each parquet row holds ``prompt`` (chat messages, a list of ``{"role", "content"}``), ``data_source``,
+Each row holds ``prompt`` (chat messages, a list of ``{"role", "content"}``), ``data_source``,
 ``reward_model`` (a struct with ``ground_truth``), and optionally ``ability`` and ``extra_info``
 (see ``examples/data_preprocess/gsm8k.py``). Prompts are left-padded because generation appends
 the response on the right; rows are read from the Arrow table on demand, so a large file costs
-little memory.
+little memory (`data.streaming` reads them lazily instead: `hflow.utils.dataset.streaming`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from hflow.utils.errors import ConfigError, DataError, DataFileNotFoundError
+from hflow.utils.dataset.sources import describe_row, read_table, resolve_files, split_for
+from hflow.utils.errors import ConfigError, DataError
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.utils.vision import MM_INPUTS, decode_image, split_image_placeholders
 
-__all__ = ["RLHFDataset", "apply_chat_template", "collate_fn", "read_parquet", "read_parquet_schema"]
+__all__ = ["RLHFDataset", "apply_chat_template", "check_prompt_table", "collate_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,11 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 class RLHFDataset(Dataset):
-    """Prompts for RL, one item per parquet row.
+    """Prompts for RL, one item per row of the data files.
 
     Args:
-        data_files: one parquet path or a list (``~`` is expanded).
+        data_files: one path or a list (``~`` is expanded), in any mix of the formats `sources.FORMATS` names; a
+            DatasetDict folder is read at its ``data.train_split`` (``data.val_split`` for ``data.val_files``).
         tokenizer: a Hugging Face tokenizer with a chat template (or set ``data.chat_template``).
         config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
             ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``return_raw_chat``,
@@ -90,6 +92,7 @@ class RLHFDataset(Dataset):
         self.return_raw_chat = bool(config.return_raw_chat)
         self.chat_template = config.chat_template
         self.files_key = files_key
+        self.split, self.split_key = split_for(config, files_key)  # of a DatasetDict folder
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
         if self.max_prompt_length < 1:
@@ -157,59 +160,16 @@ class RLHFDataset(Dataset):
     # ---- loading ---------------------------------------------------------------------------------
 
     def _read(self, path: str, files_key: str) -> pa.Table:
-        """Read one parquet file and check that it has the columns the trainer and reward need."""
-        table = read_parquet(path, files_key)
-        schema = table.schema
-        columns = schema.names
-
-        def schema_error(what: str) -> DataError:
-            return DataError(f"{files_key}: {path}: {what}; the file has columns {columns}")
-
-        if self.prompt_key not in columns:
-            raise schema_error(f"no prompt column {self.prompt_key!r} (data.prompt_key), which must name the "
-                               "column of chat messages")
-        prompt_type = schema.field(self.prompt_key).type
-        if not (
-            (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
-            and pa.types.is_struct(prompt_type.value_type)
-            and {"role", "content"} <= {field.name for field in prompt_type.value_type}
-        ):
-            raise schema_error(
-                f"column {self.prompt_key!r} is {prompt_type}, not chat messages; store a list of "
-                "{'role': ..., 'content': ...} dicts, e.g. [{'role': 'user', 'content': question}]"
-            )
-        if self.reward_fn_key not in columns:
-            raise schema_error(f"no column {self.reward_fn_key!r} (data.reward_fn_key)")
-        if "reward_model" not in columns:
-            raise schema_error("no column 'reward_model' (a struct with 'ground_truth')")
-        reward_type = schema.field("reward_model").type
-        if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
-            raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
-        self._check_messages(table, path, files_key)
+        """Read one data file (any format `sources` takes) and check it as `check_prompt_table` does."""
+        table = read_table(path, files_key, split=self.split, split_key=self.split_key)
+        check_prompt_table(table, path, files_key, self.prompt_key, self.reward_fn_key)
         return table
-
-    def _check_messages(self, table: pa.Table, path: str, files_key: str) -> None:
-        """Every prompt is a non-empty list of messages with a role and a content (the chat template would
-        fail on a null one, mid-run, with an error naming neither the file nor the row)."""
-        prompts = table.column(self.prompt_key).combine_chunks()
-        empty = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.list_value_length(prompts), 0)).fill_null(True)
-        if pc.any(empty).as_py():
-            row = pc.index(empty, True).as_py()
-            raise DataError(f"{files_key}: {path} row {row}: column {self.prompt_key!r} holds no messages; give "
-                            "every row at least one {'role': ..., 'content': ...} message, or drop the row")
-        messages = prompts.flatten()
-        for field in ("role", "content"):
-            missing = pc.is_null(pc.struct_field(messages, field))
-            if pc.any(missing).as_py():
-                row = pc.list_parent_indices(prompts)[pc.index(missing, True).as_py()].as_py()
-                raise DataError(f"{files_key}: {path} row {row}: a message of column {self.prompt_key!r} has no "
-                                f"{field!r} (null); give every message a role and a content, or drop the row")
 
     def _where(self, index: int) -> str:
         """File and row of the sample at `index` (after filtering)."""
         row = index if self._kept is None else self._kept[index]
         file = bisect.bisect_right(self._file_starts, row) - 1
-        return f"{self.files_key}: {self.files[file]} row {row - self._file_starts[file]}"
+        return f"{self.files_key}: {describe_row(self.files[file], row - self._file_starts[file])}"
 
     def _check_images(self) -> bool:
         """Whether the data has images (a non-empty ``data.image_key`` column); then the model must have a
@@ -383,38 +343,49 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], where: Callab
                         "the row, or set data.chat_template to a template that takes it") from None
 
 
-def read_parquet(path: str | os.PathLike, files_key: str, columns: list[str] | None = None) -> pa.Table:
-    """`pq.read_table`, with errors that name the file and the key it came from (pyarrow's own, such as
-    "Parquet magic bytes not found", name neither)."""
-    try:
-        return pq.read_table(path, columns=columns)
-    except (OSError, pa.ArrowException) as err:
-        raise _unreadable(path, files_key, err) from err
+def check_prompt_table(table: pa.Table, path: str, files_key: str, prompt_key: str, reward_fn_key: str,
+                       first_row: int = 0) -> None:
+    """The columns the trainer and reward need, and every prompt a non-empty list of messages with a role and a
+    content (the chat template would fail on a null one, mid-run, with an error naming neither the file nor the
+    row). `table` holds the file's rows from `first_row` on (a piece of a streamed file); errors name the file and
+    the row in it. One check for every format: the readers give the same table for the same rows."""
+    schema = table.schema
+    columns = schema.names
 
+    def schema_error(what: str) -> DataError:
+        return DataError(f"{files_key}: {path}: {what}; the file has columns {columns}")
 
-def read_parquet_schema(path: str | os.PathLike, files_key: str) -> pa.Schema:
-    """`pq.read_schema` (the footer only), with errors that name the file and the key."""
-    try:
-        return pq.read_schema(path)
-    except (OSError, pa.ArrowException) as err:
-        raise _unreadable(path, files_key, err) from err
+    if prompt_key not in columns:
+        raise schema_error(f"no prompt column {prompt_key!r} (data.prompt_key), which must name the column of chat "
+                           "messages")
+    prompt_type = schema.field(prompt_key).type
+    if not (
+        (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
+        and pa.types.is_struct(prompt_type.value_type)
+        and {"role", "content"} <= {field.name for field in prompt_type.value_type}
+    ):
+        raise schema_error(
+            f"column {prompt_key!r} is {prompt_type}, not chat messages; store a list of "
+            "{'role': ..., 'content': ...} dicts, e.g. [{'role': 'user', 'content': question}]"
+        )
+    if reward_fn_key not in columns:
+        raise schema_error(f"no column {reward_fn_key!r} (data.reward_fn_key)")
+    if "reward_model" not in columns:
+        raise schema_error("no column 'reward_model' (a struct with 'ground_truth')")
+    reward_type = schema.field("reward_model").type
+    if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
+        raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
 
-
-def _unreadable(path: str | os.PathLike, files_key: str, err: Exception) -> DataError:
-    return DataError(f"{files_key}: {path} is not a readable parquet file ({type(err).__name__}: {err}); "
-                     "write it with pandas' DataFrame.to_parquet or pyarrow.parquet.write_table")
-
-
-def resolve_files(data_files: Any, files_key: str) -> list[str]:
-    """The parquet paths of a data key (one path or a list), each checked to exist; errors name `files_key`."""
-    if data_files is None or (not isinstance(data_files, (str, os.PathLike)) and len(data_files) == 0):
-        raise ConfigError(f"{files_key} is not set; give a parquet file or a list of parquet files")
-    paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
-    resolved = [os.path.expanduser(os.fspath(path)) for path in paths]
-    for path in resolved:
-        if os.path.isdir(path):
-            raise DataError(f"{files_key}: {path!r} is a folder; give the parquet files in it "
-                            f"({files_key}=[a.parquet,b.parquet])")
-        if not os.path.isfile(path):
-            raise DataFileNotFoundError(f"{files_key}: no such file {path!r}")
-    return resolved
+    prompts = table.column(prompt_key).combine_chunks()
+    empty = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.list_value_length(prompts), 0)).fill_null(True)
+    if pc.any(empty).as_py():
+        row = first_row + pc.index(empty, True).as_py()
+        raise DataError(f"{files_key}: {describe_row(path, row)}: column {prompt_key!r} holds no messages; give every "
+                        "row at least one {'role': ..., 'content': ...} message, or drop the row")
+    messages = prompts.flatten()
+    for field in ("role", "content"):
+        missing = pc.is_null(pc.struct_field(messages, field))
+        if pc.any(missing).as_py():
+            row = first_row + pc.list_parent_indices(prompts)[pc.index(missing, True).as_py()].as_py()
+            raise DataError(f"{files_key}: {describe_row(path, row)}: a message of column {prompt_key!r} has no "
+                            f"{field!r} (null); give every message a role and a content, or drop the row")
