@@ -118,6 +118,8 @@ class RLHFDataset(Dataset):
         if self._table.num_rows:
             self._render(self._table.column(self.prompt_key)[0].as_py(), 0)  # a template that fails, fails now
         self.num_filtered = 0
+        # with data.mixture, items name their file (`data_file`: its index in the list): rows drawn per file per step
+        self.tag_files = files_key == "data.train_files" and config.get("mixture") is not None
         if config.filter_overlong_prompts:
             self._drop_overlong()
         elif self.truncation == "error" or self.has_images:  # image prompts are never truncated
@@ -148,6 +150,8 @@ class RLHFDataset(Dataset):
         extra_info = row.get("extra_info")
         given_index = extra_info.get("index") if isinstance(extra_info, dict) else None
         row["index"] = index if given_index is None else given_index
+        if self.tag_files:
+            row["data_file"] = self.file_of(index)
         if self.tools:  # multi-turn: each tool's create/execute kwargs for this sample
             tools_kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
             row["tools_kwargs"] = tools_kwargs or {}
@@ -165,10 +169,20 @@ class RLHFDataset(Dataset):
         check_prompt_table(table, path, files_key, self.prompt_key, self.reward_fn_key)
         return table
 
+    def file_of(self, index: int) -> int:
+        """The position in `files` of the file the sample at `index` (after filtering) comes from."""
+        row = index if self._kept is None else self._kept[index]
+        return bisect.bisect_right(self._file_starts, row) - 1
+
+    def item_files(self) -> list[int]:
+        """`file_of` every sample, in order (a mixture's sampler draws from each file's samples)."""
+        rows = np.arange(len(self)) if self._kept is None else np.asarray(self._kept)
+        return (np.searchsorted(np.asarray(self._file_starts), rows, side="right") - 1).tolist()
+
     def _where(self, index: int) -> str:
         """File and row of the sample at `index` (after filtering)."""
         row = index if self._kept is None else self._kept[index]
-        file = bisect.bisect_right(self._file_starts, row) - 1
+        file = self.file_of(index)
         return f"{self.files_key}: {describe_row(self.files[file], row - self._file_starts[file])}"
 
     def _check_images(self) -> bool:
