@@ -406,6 +406,9 @@ def check_reward_shaping(config: DictConfig) -> None:
     model), `.missing_stop_penalty` and `reward_model.normalize`."""
     algo = config.algorithm
     check_reward_clip(algo)
+    if config.reward_model.normalize.enable and config.data.streaming:  # its fit draws training prompts by index
+        raise ConfigError("reward_model.normalize.enable=true fits on training prompts drawn at random, which "
+                          "data.streaming=true does not hold; set data.streaming=false, or normalize.enable=false")
     if algo.stop_token is not None:
         from transformers import AutoTokenizer
 

@@ -80,11 +80,30 @@ class RLHFDataset(Dataset):
         tools: Sequence[dict] | None = None,
         processor: Any = None,
     ) -> None:
+        self._configure(tokenizer, config, files_key, tools, processor)
+        self.files = resolve_files(data_files, files_key)
+        tables = [self._read(path, files_key) for path in self.files]
+        # The first row of each file in the concatenated table, and after filtering the rows kept: a
+        # sample's file and row, for the messages.
+        self._file_starts = np.cumsum([0] + [table.num_rows for table in tables[:-1]]).tolist()
+        self._kept: list[int] | None = None
+        self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        self.has_images = self._check_images()
+        if self._table.num_rows:
+            self._render(self._table.column(self.prompt_key)[0].as_py(), 0)  # a template that fails, fails now
+        self.num_filtered = 0
+        if config.filter_overlong_prompts:
+            self._drop_overlong()
+        elif self.truncation == "error" or self.has_images:  # image prompts are never truncated
+            self._check_lengths()
+
+    def _configure(self, tokenizer: Any, config: DictConfig, files_key: str, tools: Sequence[dict] | None,
+                   processor: Any) -> None:
+        """The settings of items, checked (shared with the streamed prompts of `streaming`)."""
         self.tokenizer = tokenizer
         self.processor = processor
         self.image_key = config.image_key
         self.tools = list(tools) if tools else None
-        self.files = resolve_files(data_files, files_key)
         self.prompt_key = config.prompt_key
         self.reward_fn_key = config.reward_fn_key
         self.max_prompt_length = int(config.max_prompt_length)
@@ -107,29 +126,17 @@ class RLHFDataset(Dataset):
         if self.pad_token_id is None:
             raise ConfigError(f"the tokenizer ({tokenizer_name}) has neither a pad token nor an EOS token to pad "
                               "prompts with; give its tokenizer_config.json an eos_token")
-
-        tables = [self._read(path, files_key) for path in self.files]
-        # The first row of each file in the concatenated table, and after filtering the rows kept: a
-        # sample's file and row, for the messages.
-        self._file_starts = np.cumsum([0] + [table.num_rows for table in tables[:-1]]).tolist()
-        self._kept: list[int] | None = None
-        self._table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-        self.has_images = self._check_images()
-        if self._table.num_rows:
-            self._render(self._table.column(self.prompt_key)[0].as_py(), 0)  # a template that fails, fails now
-        self.num_filtered = 0
         # with data.mixture, items name their file (`data_file`: its index in the list): rows drawn per file per step
         self.tag_files = files_key == "data.train_files" and config.get("mixture") is not None
-        if config.filter_overlong_prompts:
-            self._drop_overlong()
-        elif self.truncation == "error" or self.has_images:  # image prompts are never truncated
-            self._check_lengths()
 
     def __len__(self) -> int:
         return self._table.num_rows
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        row = self._table.slice(index, 1).to_pylist()[0]
+        return self.encode_row(self._table.slice(index, 1).to_pylist()[0], index)
+
+    def encode_row(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        """The item of one row (a dict of its columns), sample `index` (for `_where`, and the default ``index``)."""
         messages = row.pop(self.prompt_key)
         if self.has_images:
             ids, row[MM_INPUTS], row["multi_modal_data"] = self._encode_with_images(
@@ -222,25 +229,28 @@ class RLHFDataset(Dataset):
         inputs = {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
         return ids, inputs, {"image": images}
 
-    def _lengths(self) -> list[int]:
-        """Token count of every templated prompt (image tokens included)."""
+    def _lengths(self, table: pa.Table | None = None, first: int = 0) -> list[int]:
+        """Token count of every templated prompt of `table` (the dataset's by default; its rows are samples
+        `first`, `first` + 1, ...), image tokens included."""
+        table = self._table if table is None else table
         if self.has_images:
-            rows = self._table.select([self.prompt_key, self.image_key]).to_pylist()
-            return [len(self._encode_with_images(r[self.prompt_key], r[self.image_key], i)[0])
+            rows = table.select([self.prompt_key, self.image_key]).to_pylist()
+            return [len(self._encode_with_images(r[self.prompt_key], r[self.image_key], first + i)[0])
                     for i, r in enumerate(rows)]
-        prompts = self._table.column(self.prompt_key).to_pylist()
-        texts = [self._render(messages, i) for i, messages in enumerate(prompts)]
+        prompts = table.column(self.prompt_key).to_pylist()
+        texts = [self._render(messages, first + i) for i, messages in enumerate(prompts)]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    def _check_lengths(self) -> None:
+    def _check_lengths(self, table: pa.Table | None = None, start: int = 0) -> None:
         """With truncation=error and no filter: no prompt longer than ``max_prompt_length`` (else the run
-        would stop at the batch that holds it, hours in)."""
-        lengths = self._lengths()
+        would stop at the batch that holds it, hours in). `table`, `start`: as `_lengths`'."""
+        lengths = self._lengths(table, start)
         overlong = [i for i, length in enumerate(lengths) if length > self.max_prompt_length]
         if overlong:
             first = overlong[0]
+            sample = start + first
             raise DataError(
-                f"{self._where(first)}: the prompt of sample {first} is {lengths[first]} tokens, longer than "
+                f"{self._where(sample)}: the prompt of sample {sample} is {lengths[first]} tokens, longer than "
                 f"data.max_prompt_length={self.max_prompt_length} ({len(overlong)} of {len(lengths)} prompts are); "
                 + ("raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, or set "
                    "data.truncation to left, right or middle" if not self.has_images else
