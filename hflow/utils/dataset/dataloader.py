@@ -22,7 +22,7 @@ from hflow.utils.dataset.config import mixture_weights
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
 from hflow.utils.errors import ConfigError
 
-__all__ = ["MixtureSampler", "ResumableDataLoader", "SeededEpochSampler", "create_rl_sampler", "create_train_dataloader"]
+__all__ = ["MixtureSampler", "ResumableDataLoader", "SeededEpochSampler", "check_same_data", "create_rl_sampler", "create_train_dataloader"]
 
 
 class SeededEpochSampler:
@@ -69,6 +69,18 @@ class MixtureSampler(SeededEpochSampler):
             walk = members[torch.randperm(len(members), generator=generator)] if self.shuffle else members
             order[where] = walk[torch.arange(len(where)) % len(walk)]  # the file's k-th draw is its k-th sample
         return order.tolist()
+
+
+def check_same_data(state: Mapping[str, Any], expected: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    """A saved loader state's `keys` equal this loader's, or the batches would not continue the interrupted run."""
+    changed = [key for key in keys if state[key] != expected[key]]
+    if changed:
+        details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
+        raise ConfigError(
+            f"the data loader state was saved for different data ({details}); the batches would not continue the "
+            "interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, data.seed, "
+            "data.mixture, data.shuffle_buffer and data.filter_overlong_prompts, or start fresh "
+            "(trainer.resume_mode=disable)")
 
 
 def create_rl_sampler(data_config: DictConfig, dataset: Dataset) -> SeededEpochSampler:
@@ -157,15 +169,7 @@ class ResumableDataLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         expected = self.state_dict()
         state = {"mixture": None, **state}  # saved before data.mixture existed: none
-        changed = [key for key in ("num_samples", "batch_size", "shuffle", "seed", "mixture")
-                   if state[key] != expected[key]]
-        if changed:
-            details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
-            raise ConfigError(
-                f"the data loader state was saved for different data ({details}); the batches would not continue "
-                "the interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, "
-                "data.seed, data.mixture and data.filter_overlong_prompts, or start fresh (trainer.resume_mode=disable)"
-            )
+        check_same_data(state, expected, ("num_samples", "batch_size", "shuffle", "seed", "mixture"))
         self._epoch = state["epoch"]
         self._batches_done = state["batches_done"]
         self._roll_over()

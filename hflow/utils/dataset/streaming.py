@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from hflow.utils.dataset.dataloader import check_same_data
 from hflow.utils.dataset.rl_dataset import RLHFDataset, check_prompt_table
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
 from hflow.utils.dataset.sources import iter_tables, resolve_files
@@ -168,15 +169,7 @@ class StreamingDataLoader:
         if not state.get("streaming"):
             raise ConfigError("the checkpoint's data loader was not streaming (data.streaming=false when it was saved); "
                               "resume with data.streaming=false, or start fresh (trainer.resume_mode=disable)")
-        changed = [key for key in ("num_samples", "batch_size", "shuffle", "seed", "shuffle_buffer")
-                   if state[key] != expected[key]]
-        if changed:
-            details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
-            raise ConfigError(
-                f"the data loader state was saved for different data ({details}); the batches would not continue "
-                "the interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, "
-                "data.seed, data.shuffle_buffer and data.filter_overlong_prompts, or start fresh "
-                "(trainer.resume_mode=disable)")
+        check_same_data(state, expected, ("num_samples", "batch_size", "shuffle", "seed", "shuffle_buffer"))
         self._epoch, self._rows_done, self._read = state["epoch"], state["rows_done"], list(state["rows_read"])
         self._roll_over()
 
