@@ -63,20 +63,23 @@ def metrics_of(run_dir):
 @pytest.mark.slow  # three training runs
 def test_a_streamed_run_resumed_mid_epoch_trains_like_the_uninterrupted_one(tmp_path):
     """data.streaming=true through the trainer: the checkpoint after step 1 holds the stream's position, and the
-    restarted process's steps 2 and 3 (batches, samples, losses) are the uninterrupted run's."""
+    restarted process's steps 2 (the rest of the epoch) and 3 (the next epoch) are the uninterrupted run's: the same
+    batches, samples, losses."""
     stream = ["data.streaming=true", "data.shuffle_buffer=64", "trainer.test_freq=-1"]
     whole = run(tmp_path / "whole", "null", "trainer.total_training_steps=3", *stream)
     half = run(tmp_path / "half", "null", "trainer.total_training_steps=1", "trainer.save_freq=1", *stream)
     for process in (whole, half):
         out, err = process.communicate(timeout=900)
         assert process.returncode == 0, out[-2000:] + err[-4000:]
+    logged = len(metrics_of(tmp_path / "half"))  # the first process's records
     resumed = subprocess.run(command(tmp_path / "half", "null", "trainer.total_training_steps=3",
                                      "trainer.resume_mode=auto", *stream),
                              cwd=tmp_path / "half", env=environment(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     expected = {m["step"]: comparable(m) for m in metrics_of(tmp_path / "whole")}
-    after = [comparable(m) for m in metrics_of(tmp_path / "half")][1:]
+    after = [comparable(m) for m in metrics_of(tmp_path / "half")][logged:]
     assert [m["step"] for m in after] == [2, 3]  # the restart logged only the steps after the checkpoint
+    assert expected[3]["training/epoch"] == 1  # (the built-in data's epoch is 2 steps: step 3 starts the next)
     for step in after:
         want = expected[step["step"]]
         assert step.keys() == want.keys()
