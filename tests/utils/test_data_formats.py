@@ -192,3 +192,17 @@ def test_unknown_formats_are_refused_naming_the_key_and_the_formats(tokenizer, t
     data.train_files = str(folder)
     with pytest.raises(ConfigError, match=r"is a folder but not one written by datasets' save_to_disk"):
         check_data(data)
+
+
+@pytest.mark.parametrize("form", ["jsonl", "save_to_disk"])
+def test_preflight_reads_the_data_sources_of_every_format(tmp_path, form):
+    from hflow.trainer.preflight import check_reward_sources
+
+    path = three_forms(tmp_path, rows(3, source="nobody/knows"))[form]
+    config = default_config()
+    config.data.train_files = path
+    with pytest.raises(ConfigError, match=rf"data.train_files: {path} has data_source 'nobody/knows', which has no "
+                                          "built-in scorer"):
+        check_reward_sources(config)
+    config.data.train_files = three_forms(tmp_path / "known", rows(3))[form]
+    check_reward_sources(config)

@@ -182,8 +182,9 @@ def read_table(path: str | os.PathLike, files_key: str, columns: list[str] | Non
             return pq.read_table(path, columns=columns)
         except (OSError, pa.ArrowException) as err:
             raise _unreadable_parquet(path, files_key, err) from err
-    if kind == "jsonl":
-        table = _records_table([record for _, record in _json_records(path, files_key)], path, files_key, 1)
+    if kind == "jsonl":  # with `columns`, only theirs are held (preflight reads one column of a large file)
+        keep = (lambda record: {c: record.get(c) for c in columns if c in record}) if columns else (lambda r: r)
+        table = _records_table([keep(record) for _, record in _json_records(path, files_key)], path, files_key, 1)
     else:
         batches = list(_arrow_batches(_folder(path, files_key, split, split_key), files_key))
         table = pa.Table.from_batches(batches) if batches else pa.table({})
