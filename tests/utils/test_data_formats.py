@@ -206,3 +206,15 @@ def test_preflight_reads_the_data_sources_of_every_format(tmp_path, form):
         check_reward_sources(config)
     config.data.train_files = three_forms(tmp_path / "known", rows(3))[form]
     check_reward_sources(config)
+
+
+def test_ptx_text_reads_every_format(tokenizer, tmp_path):
+    from hflow.utils.dataset.ptx_dataset import PtxSampler
+
+    texts = [{"text": f"the number {i} comes after {i - 1}"} for i in range(5)]
+    files = [write_parquet(tmp_path / "t.parquet", texts), write_jsonl(tmp_path / "t.jsonl", texts),
+             write_saved_dataset_dict(tmp_path / "t_saved", {"train": texts})]
+    samplers = [PtxSampler(path, "text", tokenizer, batch_size=3, max_length=16, seed=1) for path in files]
+    assert [s.texts.to_pylist() for s in samplers] == [[t["text"] for t in texts]] * 3
+    batches = [s.next_batch()["input_ids"] for s in samplers]
+    assert torch.equal(batches[0], batches[1]) and torch.equal(batches[0], batches[2])

@@ -15,11 +15,11 @@ from hflow.utils.dataset.sources import FORMATS, file_format
 
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a data file or a list, any mix of parquet, JSON lines, save_to_disk folders; None = the built-in task
+    train_files: Any = None  # a data file or a list: parquet, JSON lines, save_to_disk folders; None = the built-in task
     val_files: Any = None
     train_split: str = "train"  # the split read from a DatasetDict save_to_disk folder in train_files (TRL's default)
     val_split: str = "test"  # ... in val_files
-    mixture: Any = None  # a weight per train_files entry (a list in their order): rows drawn from file i with probability w_i / sum(w); None = every row once per epoch
+    mixture: Any = None  # a weight per train_files entry, in their order: file i drawn w_i / sum(w); None = each row once
     streaming: bool = False  # read the training rows lazily, file piece by piece, shuffled in a buffer (no full load)
     shuffle_buffer: int = 1024  # streaming: rows held and drawn from at random (data.shuffle); 1 = file order
     builtin_task: Optional[str] = None  # with no data or model: None = arithmetic (agent with multi_turn) | vault... | vision_digits...

@@ -22,7 +22,8 @@ from hflow.utils.dataset.config import mixture_weights
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
 from hflow.utils.errors import ConfigError
 
-__all__ = ["MixtureSampler", "ResumableDataLoader", "SeededEpochSampler", "check_same_data", "create_rl_sampler", "create_train_dataloader"]
+__all__ = ["MixtureSampler", "ResumableDataLoader", "SeededEpochSampler", "check_same_data", "create_rl_sampler",
+           "create_train_dataloader"]
 
 
 class SeededEpochSampler:

@@ -55,8 +55,8 @@ def file_format(path: str | os.PathLike, files_key: str) -> str:
         return "parquet"
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
-    raise ConfigError(f"{files_key}: {str(path)!r} has the extension {suffix or '(none)'!r}, which hflow does not read; "
-                      f"{files_key} takes {FORMATS}. Convert it (e.g. pandas' DataFrame.to_parquet) or rename it")
+    raise ConfigError(f"{files_key}: {str(path)!r} has the extension {suffix or '(none)'!r}, which hflow does not "
+                      f"read; {files_key} takes {FORMATS}. Convert it (e.g. pandas' DataFrame.to_parquet) or rename it")
 
 
 def resolve_files(data_files: Any, files_key: str) -> list[str]:
@@ -77,8 +77,8 @@ def _split_folder(path: str, files_key: str, split: str | None, split_key: str) 
     """The folder of `split` in a DatasetDict folder."""
     splits = json.loads((Path(path) / "dataset_dict.json").read_text()).get("splits", [])
     if split not in splits:
-        raise ConfigError(f"{files_key}: {path} is a DatasetDict with splits {splits}, without {split!r} ({split_key}); "
-                          f"set {split_key} to one of them")
+        raise ConfigError(f"{files_key}: {path} is a DatasetDict with splits {splits}, without {split!r} "
+                          f"({split_key}); set {split_key} to one of them")
     return Path(path) / split
 
 
@@ -210,8 +210,8 @@ def read_schema(path: str | os.PathLike, files_key: str, split: str | None = "tr
     return next(iter_tables(path, files_key, split=split, split_key=split_key), pa.table({})).schema
 
 
-def iter_tables(path: str | os.PathLike, files_key: str, split: str | None = "train", split_key: str = "data.train_split",
-                block_rows: int = JSONL_BLOCK_ROWS) -> Iterator[pa.Table]:
+def iter_tables(path: str | os.PathLike, files_key: str, split: str | None = "train",
+                split_key: str = "data.train_split", block_rows: int | None = None) -> Iterator[pa.Table]:
     """The file in consecutive pieces, read lazily: parquet row group by row group, JSON lines `block_rows` at a
     time, a save_to_disk folder record batch by record batch."""
     path = os.fspath(path)
@@ -224,7 +224,7 @@ def iter_tables(path: str | os.PathLike, files_key: str, split: str | None = "tr
         except (OSError, pa.ArrowException) as err:
             raise _unreadable_parquet(path, files_key, err) from err
     elif kind == "jsonl":
-        yield from _jsonl_tables(path, files_key, block_rows)
+        yield from _jsonl_tables(path, files_key, block_rows or JSONL_BLOCK_ROWS)
     else:
         for batch in _arrow_batches(_folder(path, files_key, split, split_key), files_key):
             yield pa.Table.from_batches([batch])

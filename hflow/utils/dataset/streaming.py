@@ -147,8 +147,8 @@ class StreamingDataLoader:
             next(rows)
         if self._rows_done and read != self._read:
             raise ConfigError(
-                f"data.streaming: the saved position ({self._rows_done} rows of epoch {self._epoch}, rows read per file "
-                f"{self._read}) is not where the files lead now (rows read {read}): {self.dataset.files_key} changed "
+                f"data.streaming: the saved position ({self._rows_done} rows of epoch {self._epoch}, rows read per "
+                f"file {self._read}) is not where the files lead now (rows read {read}): {self.dataset.files_key} changed "
                 "since the checkpoint. Resume with the same files and data settings, or start fresh "
                 "(trainer.resume_mode=disable)")
         while self._rows_done // self.batch_size < len(self):
