@@ -88,6 +88,26 @@ def test_a_resumed_stream_continues_at_the_exact_row(tokenizer, tmp_path, stop_a
     assert run(resumed, 3) == uninterrupted[stop_after:]
 
 
+def test_a_streamed_mixture_draws_by_weight_and_resumes_exactly(tokenizer, tmp_path):
+    files = [write_groups(tmp_path / "small.parquet", numbered(6, 0, "small"), group_rows=4),
+             write_jsonl(tmp_path / "large.jsonl", numbered(40, 100, "large"))]
+    settings = {"train_files": files, "mixture": [3, 1]}
+    stream = loader(tokenizer, files, **settings)
+    assert len(stream) == 11  # an epoch: as many draws as rows (46), in batches of 4
+    drawn = [int(f) for epoch in range(stream.epoch, 12) for batch in stream for f in batch["data_file"]]
+    share = drawn.count(0) / len(drawn)
+    assert abs(share - 0.75) < 0.04, share  # the small file, weighted 3:1, is repeated to its share
+    uninterrupted = run(loader(tokenizer, files, **settings), 2)
+    first = loader(tokenizer, files, **settings)
+    taken = [ids(b) for b in first] + [ids(next(iter(first)))]  # into the second epoch
+    assert taken == uninterrupted[:12]
+    resumed = loader(tokenizer, files, **settings)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert run(resumed, 2) == uninterrupted[12:]
+    with pytest.raises(ConfigError, match=r"mixture \[3.0, 1.0\] → \[1.0, 1.0\]"):
+        loader(tokenizer, files, train_files=files, mixture=[1, 1]).load_state_dict(first.state_dict())
+
+
 def test_rows_are_read_lazily(tokenizer, tmp_path, monkeypatch):
     import hflow.utils.dataset.streaming as streaming
 
@@ -154,8 +174,8 @@ def test_a_bad_row_in_a_later_piece_is_named_with_its_file_and_row(tokenizer, tm
 
 def test_streaming_settings_are_checked_naming_the_key(tmp_path):
     files = [write_jsonl(tmp_path / "a.jsonl", rows(2)), write_jsonl(tmp_path / "b.jsonl", rows(2))]
-    with pytest.raises(ConfigError, match=r"data.streaming=true .* set data.mixture=null"):
-        check_data(data_config(train_files=files, val_files=files[0], streaming=True, mixture=[1, 2]))
+    with pytest.raises(ConfigError, match=r"data.mixture has 1 weights but data.train_files has 2 files"):
+        check_data(data_config(train_files=files, val_files=files[0], streaming=True, mixture=[1]))
     with pytest.raises(ConfigError, match=r"data.shuffle_buffer=0; it must be at least 1"):
         check_data(data_config(train_files=files, val_files=files[0], streaming=True, shuffle_buffer=0))
     with pytest.raises(ConfigError, match=r"set data.dataloader_num_workers=0"):

@@ -138,9 +138,6 @@ def check_data(data: Any) -> None:
     mixture_weights(data)
     if int(data.shuffle_buffer) < 1:
         raise ConfigError(f"data.shuffle_buffer={data.shuffle_buffer}; it must be at least 1 (1 = the files' order)")
-    if data.streaming and data.mixture is not None:
-        raise ConfigError("data.streaming=true reads the files in turn and does not draw them by weight yet; set "
-                          "data.mixture=null, or data.streaming=false to mix the files in memory")
     if data.streaming and int(data.dataloader_num_workers) > 0:
         raise ConfigError(f"data.streaming=true reads rows in the driver; set data.dataloader_num_workers=0 (it is "
                           f"{data.dataloader_num_workers})")

@@ -10,8 +10,9 @@ prompt lengths: with ``data.filter_overlong_prompts`` the overlong rows' numbers
 rows are skipped when read; without it and with ``data.truncation=error`` an overlong prompt stops the run there.
 So an epoch's length is known: ``kept rows // data.train_batch_size`` batches (the last incomplete one dropped).
 
-The order of epoch ``e`` is a pure function of ``(data.seed, e)``: the files in a seeded order, and the buffer's
-draws from a generator seeded the same way. The state saved in a checkpoint is the epoch, the rows of it handed out
+The order of epoch ``e`` is a pure function of ``(data.seed, e)``: the files in a seeded order (with
+``data.mixture``: each row from a file drawn by weight, as many draws as rows), and the buffer's draws, from one
+generator seeded so. The state saved in a checkpoint is the epoch, the rows of it handed out
 and the rows read from each file by then; a resumed loader replays the epoch's reads and draws up to that point
 without encoding a row (reading, not tokenizing: cheap next to the training it resumes), checks that it read as many
 rows from each file as the saved state says, and its next batch is the uninterrupted run's next batch.
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from hflow.utils.dataset.config import mixture_weights
 from hflow.utils.dataset.dataloader import check_same_data
 from hflow.utils.dataset.rl_dataset import RLHFDataset, check_prompt_table
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
@@ -75,6 +77,13 @@ class StreamedPrompts(RLHFDataset):
         if total - self.num_filtered == 0:
             raise DataError(f"{files_key} ({', '.join(self.files)}): no prompts to train on ({total} rows, "
                             f"{self.num_filtered} longer than data.max_prompt_length={self.max_prompt_length})")
+        self.weights = mixture_weights(config) if files_key == "data.train_files" else None
+        if self.weights is not None:
+            ends = self._file_starts[1:] + [total]
+            for file, (start, end) in enumerate(zip(self._file_starts, ends)):
+                if not any(sample not in self.dropped for sample in range(start, end)):
+                    raise ConfigError(f"data.mixture[{file}] weighs {self.files[file]}, which has no rows left (after "
+                                      "data.filter_overlong_prompts); drop it from data.train_files and data.mixture")
 
     def __len__(self) -> int:
         """Samples per epoch (rows less the filtered ones)."""
@@ -87,27 +96,47 @@ class StreamedPrompts(RLHFDataset):
         return iter_tables(path, self.files_key, split=self.split, split_key=self.split_key)
 
     def rows(self, epoch: int, read: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(sample number, row) of every kept row, in epoch `epoch`'s order; `read[f]` counts the rows read from
+        """(sample number, row) of epoch `epoch`'s kept rows, in its order; `read[f]` counts the rows read from
         file f so far (updated in place, as the reading goes)."""
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.files)) if self.shuffle else range(len(self.files))
         buffer: list[tuple[int, dict[str, Any]]] = []
-        for file in order:
-            sample = self._file_starts[file]
-            for piece in self._pieces(self.files[file]):
-                for row in piece.to_pylist():
-                    read[file] += 1
-                    sample += 1
-                    if sample - 1 in self.dropped:
-                        continue
-                    if len(buffer) < self.buffer_size:
-                        buffer.append((sample - 1, row))
-                        continue
-                    slot = int(rng.integers(self.buffer_size))  # a random held row out, the new one in its place
-                    out, buffer[slot] = buffer[slot], (sample - 1, row)
-                    yield out
+        for entry in self._source(rng, read):
+            if len(buffer) < self.buffer_size:
+                buffer.append(entry)
+                continue
+            slot = int(rng.integers(self.buffer_size))  # a random held row out, the new one in its place
+            out, buffer[slot] = buffer[slot], entry
+            yield out
         for slot in rng.permutation(len(buffer)):  # the end of the data: what the buffer holds, in random order
             yield buffer[slot]
+
+    def _source(self, rng: np.random.Generator, read: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The rows before the buffer: the files one after the other (in a seeded order with data.shuffle), or with
+        data.mixture `len(self)` draws, each from a file picked by weight: its next row, from its start again when
+        used up (as `MixtureSampler` walks a file in memory)."""
+        if self.weights is None:
+            for file in rng.permutation(len(self.files)) if self.shuffle else range(len(self.files)):
+                yield from self._file_rows(file, read)
+            return
+        streams = [self._file_rows(file, read) for file in range(len(self.files))]
+        chance = np.asarray(self.weights) / sum(self.weights)
+        for _ in range(len(self)):
+            file = int(rng.choice(len(self.files), p=chance))
+            entry = next(streams[file], None)
+            if entry is None:
+                streams[file] = self._file_rows(file, read)
+                entry = next(streams[file])
+            yield entry
+
+    def _file_rows(self, file: int, read: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(sample number, row) of one file's kept rows, in the file's order, piece by piece."""
+        sample = self._file_starts[file]
+        for piece in self._pieces(self.files[file]):
+            for row in piece.to_pylist():
+                read[file] += 1
+                sample += 1
+                if sample - 1 not in self.dropped:
+                    yield sample - 1, row
 
 
 class StreamingDataLoader:
@@ -162,14 +191,15 @@ class StreamingDataLoader:
         self._roll_over()
         return {"streaming": True, "epoch": self._epoch, "rows_done": self._rows_done, "rows_read": list(self._read),
                 "num_samples": len(self.dataset), "batch_size": self.batch_size, "shuffle": self.dataset.shuffle,
-                "seed": self.dataset.seed, "shuffle_buffer": self.dataset.buffer_size}
+                "seed": self.dataset.seed, "shuffle_buffer": self.dataset.buffer_size,
+                "mixture": self.dataset.weights}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         expected = self.state_dict()
         if not state.get("streaming"):
             raise ConfigError("the checkpoint's data loader was not streaming (data.streaming=false when it was saved); "
                               "resume with data.streaming=false, or start fresh (trainer.resume_mode=disable)")
-        check_same_data(state, expected, ("num_samples", "batch_size", "shuffle", "seed", "shuffle_buffer"))
+        check_same_data(state, expected, ("num_samples", "batch_size", "shuffle", "seed", "shuffle_buffer", "mixture"))
         self._epoch, self._rows_done, self._read = state["epoch"], state["rows_done"], list(state["rows_read"])
         self._roll_over()
 
