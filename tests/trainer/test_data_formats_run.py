@@ -85,3 +85,22 @@ def test_a_streamed_run_resumed_mid_epoch_trains_like_the_uninterrupted_one(tmp_
         assert step.keys() == want.keys()
         for key in want:
             assert step[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (step["step"], key)
+
+
+@pytest.mark.slow  # a training run
+def test_a_mixture_run_logs_the_prompts_drawn_from_each_file(tmp_path):
+    """data.mixture through the trainer: items carry their file to the step's metrics (the sampler's proportions and
+    resume, fast, are tests/utils/test_data_mixture.py)."""
+    from hflow.tasks.builtin_task import ensure_builtin_assets
+
+    parquet = ensure_builtin_assets().train_file
+    jsonl = write_jsonl(tmp_path / "copy.jsonl", pq.read_table(parquet).to_pylist())
+    process = run(tmp_path / "mix", f"[{parquet},{jsonl}]", "data.mixture=[3,1]", "trainer.total_training_steps=2",
+                  "trainer.test_freq=-1")
+    out, err = process.communicate(timeout=900)
+    assert process.returncode == 0, out[-2000:] + err[-4000:]
+    steps = [m for m in metrics_of(tmp_path / "mix") if "actor/pg_loss" in m]
+    assert len(steps) == 2
+    for step in steps:
+        drawn = (step["data/rows_from/0_train.parquet"], step["data/rows_from/1_copy.jsonl"])
+        assert sum(drawn) == 32 and drawn[0] > drawn[1], drawn  # the step's 32 prompts, most from the heavier file
