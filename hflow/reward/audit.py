@@ -96,19 +96,20 @@ class AuditReport:
 
 
 def read_rows(path: str, max_rows: int, reward_fn_key: str = "data_source", prompt_key: str = "prompt",
-              files_key: str = "--data") -> list[dict[str, Any]]:
-    """The first `max_rows` rows as {data_source, prompt_text, ground_truth, extra_info}."""
-    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+              files_key: str = "--data", split: str | None = "train") -> list[dict[str, Any]]:
+    """The first `max_rows` rows as {data_source, prompt_text, ground_truth, extra_info} (of `split` in a
+    DatasetDict folder)."""
+    from hflow.utils.dataset.sources import read_schema, read_table
 
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise ConfigError(f"{files_key}: file {path} does not exist")
-    names = read_parquet_schema(path, files_key).names
+    names = read_schema(path, files_key, split=split).names
     for column in (reward_fn_key, prompt_key, "reward_model"):
         if column not in names:
             raise ConfigError(f"{files_key}: {path} has no column {column!r}; the audit reads hflow's schema "
                               "(data_source, prompt, reward_model.ground_truth, extra_info)")
     columns = [reward_fn_key, prompt_key, "reward_model"] + (["extra_info"] if "extra_info" in names else [])
-    table = read_parquet(path, files_key, columns=columns).slice(0, max_rows)
+    table = read_table(path, files_key, columns=columns, split=split).slice(0, max_rows)
     rows = []
     for row in table.to_pylist():
         prompt = row[prompt_key]
@@ -347,7 +348,8 @@ def check_reward_before_training(config: DictConfig) -> AuditReport | None:
     label = f"{fn.path}:{fn.name}" if fn is not None else "the built-in scorers"
     files = config.data.train_files
     path = str(files if isinstance(files, str) else files[0])
-    rows = read_rows(path, DEFAULT_MAX_ROWS, config.data.reward_fn_key, config.data.prompt_key, "data.train_files")
+    rows = read_rows(path, DEFAULT_MAX_ROWS, config.data.reward_fn_key, config.data.prompt_key, "data.train_files",
+                     config.data.train_split)
     max_accept = float(config.trainer.reward_audit_max_accept)
     report = run_audit(fn or default_compute_score, rows, reward=label, data=path,
                        max_chars=4 * int(config.data.max_response_length),

@@ -43,7 +43,7 @@ def probe_reward(config: DictConfig) -> int:
         return 0  # the reward model (or judge) scores: a model, tried when its worker loads it
     files = config.data.val_files
     path = str(files if isinstance(files, str) else files[0])
-    rows = _probe_rows(path, config.data.reward_fn_key)
+    rows = _probe_rows(path, config.data.reward_fn_key, config.data.val_split)
     if not rows:
         return 0  # no row says what to score against: the data checks name what is missing
     manager = load_reward_manager(config, tokenizer=None, num_examine=0, training=False)
@@ -94,15 +94,16 @@ def _check_weighted_keys(config: DictConfig, path: str, rows: list, probes: list
                     f"drop {name!r} from algorithm.reward_weights; nothing has started yet")
 
 
-def _probe_rows(path: str, reward_fn_key: str) -> list[dict[str, Any]]:
+def _probe_rows(path: str, reward_fn_key: str, split: str | None = None) -> list[dict[str, Any]]:
     """The first `PROBE_ROWS` rows that carry a ground truth, as {data_source, ground_truth, extra_info}."""
-    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+    from hflow.utils.dataset.sources import read_schema, read_table
 
-    names = read_parquet_schema(path, "data.val_files").names
+    where = {"split": split, "split_key": "data.val_split"}
+    names = read_schema(path, "data.val_files", **where).names
     if reward_fn_key not in names or "reward_model" not in names:
         return []
     columns = [reward_fn_key, "reward_model"] + (["extra_info"] if "extra_info" in names else [])
-    table = read_parquet(path, "data.val_files", columns=columns).slice(0, PROBE_ROWS)
+    table = read_table(path, "data.val_files", columns=columns, **where).slice(0, PROBE_ROWS)
     return [{"data_source": row[reward_fn_key], "ground_truth": (row["reward_model"] or {}).get("ground_truth"),
              "extra_info": row.get("extra_info")} for row in table.to_pylist()
             if isinstance(row["reward_model"], dict) and "ground_truth" in row["reward_model"]]

@@ -71,7 +71,7 @@ def code_sandboxes(config: Any) -> dict[str, Sandbox]:
 
 def _code_data_sources(config: Any) -> list[str]:
     from hflow.reward.score.code_exec import DATA_SOURCES
-    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+    from hflow.utils.dataset.sources import read_schema, read_table, split_for
 
     key, sources = config.data.reward_fn_key, set()
     for files_key in ("data.train_files", "data.val_files"):
@@ -79,7 +79,11 @@ def _code_data_sources(config: Any) -> list[str]:
         files = [] if files is None else [files] if isinstance(files, str) else list(files)
         for path in files:
             path = Path(str(path)).expanduser()
-            if not path.is_file() or key not in read_parquet_schema(path, files_key).names:
-                continue  # preflight names these itself
-            sources.update(read_parquet(path, files_key, columns=[key]).column(key).to_pylist())
+            split, split_key = split_for(config.data, files_key)
+            try:
+                if key not in read_schema(path, files_key, split, split_key).names:
+                    continue
+            except ValueError:
+                continue  # preflight names a missing or unreadable file itself
+            sources.update(read_table(path, files_key, [key], split, split_key).column(key).to_pylist())
     return sorted(sources & set(DATA_SOURCES))

@@ -101,10 +101,17 @@ def build_trainer(config: DictConfig):
     # a vision-language model's image processor (None for a text-only model: data with images is refused)
     model_cfg = config.actor_rollout_ref.model
     processor = load_processor(model_cfg.path, tokenizer, model_cfg.trust_remote_code)
-    train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools, processor=processor)
+    if config.data.streaming:  # read lazily, shuffled in a buffer; validation stays in memory
+        from hflow.utils.dataset.streaming import StreamedPrompts, StreamingDataLoader
+
+        train_dataset = StreamedPrompts(config.data.train_files, tokenizer, config.data, tools=tools,
+                                        processor=processor)
+        train_dataloader = StreamingDataLoader(train_dataset, config.data.train_batch_size, collate_fn)
+    else:
+        train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools, processor=processor)
+        train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
     val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data, files_key="data.val_files", tools=tools,
                               processor=processor)
-    train_dataloader = create_train_dataloader(train_dataset, config.data, collate_fn)
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1, training=False)
     return RayPPOTrainer(config, tokenizer, reward_fn, val_reward_fn, train_dataset, val_dataset, collate_fn,

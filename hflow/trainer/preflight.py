@@ -408,6 +408,9 @@ def check_reward_shaping(config: DictConfig) -> None:
     model), `.missing_stop_penalty` and `reward_model.normalize`."""
     algo = config.algorithm
     check_reward_clip(algo)
+    if config.reward_model.normalize.enable and config.data.streaming:  # its fit draws training prompts by index
+        raise ConfigError("reward_model.normalize.enable=true fits on training prompts drawn at random, which "
+                          "data.streaming=true does not hold; set data.streaming=false, or normalize.enable=false")
     if algo.stop_token is not None:
         from transformers import AutoTokenizer
 
@@ -444,7 +447,7 @@ def check_reward_sources(config: DictConfig) -> None:
     """Without a custom reward function or remote scorer, every data source in the data needs a built-in scorer."""
     if config.custom_reward_function.path is not None or config.custom_reward_function.url is not None:
         return
-    from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+    from hflow.utils.dataset.sources import read_schema, read_table, split_for
     from hflow.reward.score import EPISODE_SCORERS, SCORERS
 
     known = {*SCORERS, *EPISODE_SCORERS}
@@ -452,9 +455,10 @@ def check_reward_sources(config: DictConfig) -> None:
     for files_key in ("data.train_files", "data.val_files"):
         for path in data_files(OmegaConf.select(config, files_key)):
             path = Path(str(path)).expanduser()
-            if key not in read_parquet_schema(path, files_key).names:
+            split = split_for(config.data, files_key)
+            if key not in read_schema(path, files_key, *split).names:
                 raise ConfigError(f"{files_key}: {path} has no column {key!r} (data.reward_fn_key)")
-            table = read_parquet(path, files_key, columns=[key])
+            table = read_table(path, files_key, [key], *split)
             sources = set(table.column(key).to_pylist())
             unknown = sorted(sources - known)
             if unknown:
@@ -503,12 +507,12 @@ def check_image_rollouts(config: DictConfig) -> None:
                                       int(config.trainer.async_steps) >= 2)) if on]
     if not streaming:
         return
-    import pyarrow.parquet as pq
+    from hflow.utils.dataset.sources import read_schema, split_for
 
     image_key = config.data.image_key
     for key in ("data.train_files", "data.val_files"):
         for path in data_files(OmegaConf.select(config, key)):
-            if image_key in pq.read_schema(Path(str(path)).expanduser()).names:
+            if image_key in read_schema(Path(str(path)).expanduser(), key, *split_for(config.data, key)).names:
                 raise ConfigError(
                     f"{key}: {path} has images (column {image_key!r}, data.image_key), which vLLM's streaming "
                     f"rollouts do not take yet ({', '.join(streaming)}); sample them with "

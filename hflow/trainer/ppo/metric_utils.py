@@ -80,6 +80,19 @@ def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
+def compute_mixture_metrics(batch: DataProto, files: Sequence[str]) -> dict[str, float]:
+    """``data/rows_from/<i>_<file name>``: the prompts of this step drawn from each `data.mixture` file (items carry
+    their file's index as ``data_file``; a prompt's n responses share its ``uid`` and count once)."""
+    sources = batch.non_tensor_batch.get("data_file")
+    if sources is None:
+        return {}
+    uids = batch.non_tensor_batch.get("uid")
+    prompts = {(uid, int(i)) for uid, i in zip(uids, sources)} if uids is not None else enumerate(sources)
+    counts = Counter(int(i) for _, i in prompts)
+    return {f"data/rows_from/{i}_{name.rstrip('/').rsplit('/', 1)[-1]}": float(counts.get(i, 0))
+            for i, name in enumerate(files)}
+
+
 def compute_data_metrics(batch: DataProto, use_critic: bool = True, max_prompt_length: int | None = None) -> dict[str, float]:
     """Scores, rewards, advantages, returns (and values) over valid response tokens, and lengths.
 

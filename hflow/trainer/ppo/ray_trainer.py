@@ -43,6 +43,7 @@ from hflow.trainer.ppo.validation import dump_generations, validate
 from hflow.trainer.checkpoints import LATEST_MARKER, StepCheckpoints  # noqa: F401  (LATEST_MARKER: re-exported)
 from hflow.trainer.ppo.metric_utils import (
     compute_data_metrics,
+    compute_mixture_metrics,
     compute_throughout_metrics,
     compute_timing_metrics,
     reduce_metrics,
@@ -468,6 +469,7 @@ class RayPPOTrainer:
                                        max_prompt_length=self.config.data.max_prompt_length)
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, n_gpus=self.n_workers))
+        metrics.update(compute_mixture_metrics(batch, getattr(self.train_dataset, "files", [])))
         return metrics
 
     def _validate(self) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""RL prompt data: the parquet dataset, its collate function and a resumable data loader."""
+"""RL prompt data: the dataset (parquet, JSON lines, save_to_disk folders: `sources`), its collate function and a
+resumable data loader; `streaming` reads the training files lazily."""
 
 from hflow.utils.dataset.dataloader import (
     ResumableDataLoader,

@@ -10,12 +10,18 @@ from typing import Any, Optional
 
 from hflow.config_schema import ConfigError, check_choice
 from hflow.utils.dataset.rl_dataset import TRUNCATION_MODES
+from hflow.utils.dataset.sources import FORMATS, file_format
 
 
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a parquet file or a list of them; None = the built-in task
+    train_files: Any = None  # a data file or a list: parquet, JSON lines, save_to_disk folders; None = the built-in task
     val_files: Any = None
+    train_split: str = "train"  # the split read from a DatasetDict save_to_disk folder in train_files (TRL's default)
+    val_split: str = "test"  # ... in val_files
+    mixture: Any = None  # a weight per train_files entry, in their order: file i drawn w_i / sum(w); None = each row once
+    streaming: bool = False  # read the training rows lazily, file piece by piece, shuffled in a buffer (no full load)
+    shuffle_buffer: int = 1024  # streaming: rows held and drawn from at random (data.shuffle); 1 = file order
     builtin_task: Optional[str] = None  # with no data or model: None = arithmetic (agent with multi_turn) | vault... | vision_digits...
     prompt_key: str = "prompt"
     image_key: str = "images"
@@ -39,8 +45,10 @@ class DataConfig:
 class StageDataConfig:
     """What the supervised stages' `data` share."""
 
-    train_files: Any = None  # None = the built-in RLHF task's data for the stage
+    train_files: Any = None  # None = the built-in RLHF task's data for the stage; parquet, JSON lines or save_to_disk folders
     val_files: Any = None
+    train_split: str = "train"  # the split read from a DatasetDict save_to_disk folder in train_files
+    val_split: str = "test"  # ... in val_files
     prompt_key: str = "prompt"
     max_length: int = 256  # tokens per sequence (prompt + response)
     truncation: str = "error"  # error | right (SFT) / left (reward model)
@@ -81,16 +89,38 @@ def data_files(value: Any) -> list[str]:
 
 
 def check_data_files(value: Any, key: str) -> None:
-    """`key` names one parquet file or a list of them, each a file that exists."""
+    """`key` names one data file or a list of them, each present and of a format the reader takes (`FORMATS`)."""
     files = data_files(value)
     if not files:
-        raise ConfigError(f"{key} is empty; give one parquet file or a list of them")
+        raise ConfigError(f"{key} is empty; give one data file or a list of them ({FORMATS})")
     for path in files:
-        if Path(str(path)).expanduser().is_dir():
-            raise ConfigError(f"{key}: {path} is a folder; give the parquet files in it "
-                              f"(a list: {key}=[a.parquet,b.parquet])")
-        if not Path(str(path)).expanduser().is_file():
+        if not Path(str(path)).expanduser().exists():
             raise ConfigError(f"{key}: file {path} does not exist")
+        try:
+            file_format(Path(str(path)).expanduser(), key)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def mixture_weights(data: Any) -> list[float] | None:
+    """`data.mixture` checked against `data.train_files`: one positive number per file, in their order."""
+    weights = data.get("mixture") if hasattr(data, "get") else getattr(data, "mixture", None)
+    if weights is None:
+        return None
+    files = data_files(data.train_files)
+    if isinstance(weights, (str, int, float)) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise ConfigError(f"data.mixture={weights!r}: give a list of numbers, one weight per data.train_files entry "
+                          f"in their order, e.g. data.mixture=[3,1] for two files")
+    weights = [float(w) for w in weights]
+    if len(weights) != len(files):
+        raise ConfigError(f"data.mixture has {len(weights)} weights but data.train_files has {len(files)} files; give "
+                          "one weight per file, in their order")
+    bad = [i for i, w in enumerate(weights) if not w > 0 or w == float("inf")]
+    if bad:
+        raise ConfigError(f"data.mixture[{bad[0]}]={weights[bad[0]]} (for {files[bad[0]]}): every weight must be a "
+                          "positive finite number; drop the file from data.train_files instead of weighting it 0")
+    return weights
 
 
 # data.builtin_task's values (hflow.tasks.vault_task.BUILTIN_TASKS and hflow.tasks.vision_task.BUILTIN_TASKS;
@@ -105,3 +135,9 @@ def check_data(data: Any) -> None:
         check_choice(data.builtin_task, BUILTIN_TASKS, "data.builtin_task")
     check_data_files(data.train_files, "data.train_files")
     check_data_files(data.val_files, "data.val_files")
+    mixture_weights(data)
+    if int(data.shuffle_buffer) < 1:
+        raise ConfigError(f"data.shuffle_buffer={data.shuffle_buffer}; it must be at least 1 (1 = the files' order)")
+    if data.streaming and int(data.dataloader_num_workers) > 0:
+        raise ConfigError(f"data.streaming=true reads rows in the driver; set data.dataloader_num_workers=0 (it is "
+                          f"{data.dataloader_num_workers})")

@@ -18,10 +18,12 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from hflow.utils.dataset.config import mixture_weights
 from hflow.utils.dataset.rl_dataset import collate_fn as default_collate_fn
 from hflow.utils.errors import ConfigError
 
-__all__ = ["ResumableDataLoader", "SeededEpochSampler", "create_rl_sampler", "create_train_dataloader"]
+__all__ = ["MixtureSampler", "ResumableDataLoader", "SeededEpochSampler", "check_same_data", "create_rl_sampler",
+           "create_train_dataloader"]
 
 
 class SeededEpochSampler:
@@ -42,8 +44,53 @@ class SeededEpochSampler:
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
 
+class MixtureSampler(SeededEpochSampler):
+    """`data.mixture`'s order: each of an epoch's draws (as many as the samples) picks file i with probability
+    ``w_i / sum(w)``, then that file's next sample. Each file's samples are walked in an order seeded per epoch
+    (the files' order without ``data.shuffle``), from the start again when used up, so a small file weighted up is
+    repeated and a large one weighted down is sampled. A pure function of ``(seed, epoch)`` like the parent's, so
+    `ResumableDataLoader`'s state (epoch, batches done) resumes it exactly."""
+
+    def __init__(self, item_files: list[int], weights: list[float], shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(len(item_files), shuffle=shuffle, seed=seed)
+        self.weights = [float(w) for w in weights]
+        files = torch.tensor(item_files, dtype=torch.long)
+        self.members = [torch.nonzero(files == i).flatten() for i in range(len(self.weights))]
+        empty = [i for i, members in enumerate(self.members) if len(members) == 0]
+        if empty:
+            raise ConfigError(f"data.mixture[{empty[0]}] weighs a file with no samples left (after "
+                              "data.filter_overlong_prompts); drop it from data.train_files and data.mixture")
+
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        picks = torch.multinomial(torch.tensor(self.weights), self.num_samples, replacement=True, generator=generator)
+        order = torch.empty(self.num_samples, dtype=torch.long)
+        for i, members in enumerate(self.members):
+            where = torch.nonzero(picks == i).flatten()
+            walk = members[torch.randperm(len(members), generator=generator)] if self.shuffle else members
+            order[where] = walk[torch.arange(len(where)) % len(walk)]  # the file's k-th draw is its k-th sample
+        return order.tolist()
+
+
+def check_same_data(state: Mapping[str, Any], expected: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    """A saved loader state's `keys` equal this loader's, or the batches would not continue the interrupted run."""
+    changed = [key for key in keys if state[key] != expected[key]]
+    if changed:
+        details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
+        raise ConfigError(
+            f"the data loader state was saved for different data ({details}); the batches would not continue the "
+            "interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, data.seed, "
+            "data.mixture, data.shuffle_buffer and data.filter_overlong_prompts, or start fresh "
+            "(trainer.resume_mode=disable)")
+
+
 def create_rl_sampler(data_config: DictConfig, dataset: Dataset) -> SeededEpochSampler:
-    """The training order: shuffled per epoch (``data.shuffle``) from ``data.seed``."""
+    """The training order: shuffled per epoch (``data.shuffle``) from ``data.seed``; with ``data.mixture``, drawn
+    from the files by weight (`MixtureSampler`)."""
+    weights = mixture_weights(data_config)
+    if weights is not None:
+        return MixtureSampler(dataset.item_files(), weights, shuffle=bool(data_config.shuffle),
+                              seed=int(data_config.seed))
     return SeededEpochSampler(
         len(dataset), shuffle=bool(data_config.shuffle), seed=int(data_config.seed)
     )
@@ -117,18 +164,13 @@ class ResumableDataLoader:
             "batch_size": self.batch_size,
             "shuffle": self.sampler.shuffle,
             "seed": self.sampler.seed,
+            "mixture": getattr(self.sampler, "weights", None),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         expected = self.state_dict()
-        changed = [key for key in ("num_samples", "batch_size", "shuffle", "seed") if state[key] != expected[key]]
-        if changed:
-            details = ", ".join(f"{key} {state[key]} → {expected[key]}" for key in changed)
-            raise ConfigError(
-                f"the data loader state was saved for different data ({details}); the batches would not continue "
-                "the interrupted run. Resume with the same data.train_files, data.train_batch_size, data.shuffle, "
-                "data.seed and data.filter_overlong_prompts, or start fresh (trainer.resume_mode=disable)"
-            )
+        state = {"mixture": None, **state}  # saved before data.mixture existed: none
+        check_same_data(state, expected, ("num_samples", "batch_size", "shuffle", "seed", "mixture"))
         self._epoch = state["epoch"]
         self._batches_done = state["batches_done"]
         self._roll_over()

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from tensordict import TensorDict
 
-from hflow.utils.dataset.rl_dataset import read_parquet, read_parquet_schema
+from hflow.utils.dataset.sources import count_rows, read_schema, read_table, resolve_files
 from hflow.utils.errors import DataError
 
 __all__ = ["PtxSampler", "check_ptx_files", "ptx_loss_mask"]
@@ -41,15 +40,16 @@ def check_ptx_files(files: Any, text_key: str) -> list[Path]:
     paths = [Path(f).expanduser() for f in _file_list(files)]
     if not paths:
         raise DataError(f"{FILES_KEY} is not set: PPO-ptx (actor_rollout_ref.actor.ptx.coef > 0) needs pre-training "
-                        "text, one parquet file or a list of them")
+                        "text, one data file or a list of them")
     for path in paths:
-        if not path.is_file():
+        if not path.exists():
             raise DataError(f"{FILES_KEY}: file {path} does not exist")
-        schema = read_parquet_schema(path, FILES_KEY)
+        resolve_files(str(path), FILES_KEY)  # a format the reader takes
+        schema = read_schema(path, FILES_KEY)
         if text_key not in schema.names:
             raise DataError(f"{FILES_KEY}: {path} has no column {text_key!r} ({TEXT_KEY}); its columns are "
                             f"{', '.join(schema.names)}")
-        if pq.ParquetFile(path).metadata.num_rows == 0:
+        if count_rows(path, FILES_KEY) == 0:
             raise DataError(f"{FILES_KEY}: {path} has no rows")
     return paths
 
@@ -68,7 +68,7 @@ class PtxSampler:
                  rank: int = 0) -> None:
         paths = check_ptx_files(files, text_key)
         column = pa.concat_arrays([
-            chunk for path in paths for chunk in read_parquet(path, FILES_KEY, columns=[text_key]).column(0).chunks
+            chunk for path in paths for chunk in read_table(path, FILES_KEY, columns=[text_key]).column(0).chunks
         ])
         self.texts = column
         self.tokenizer = tokenizer

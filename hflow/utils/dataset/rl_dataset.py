@@ -1,10 +1,11 @@
-"""RLHFDataset: chat prompts from parquet, templated, tokenized and left-padded for generation.
+"""RLHFDataset: chat prompts from data files (parquet, JSON lines or a save_to_disk folder: `sources`), templated,
+tokenized and left-padded for generation.
 
-Each parquet row holds ``prompt`` (chat messages, a list of ``{"role", "content"}``), ``data_source``,
+Each row holds ``prompt`` (chat messages, a list of ``{"role", "content"}``), ``data_source``,
 ``reward_model`` (a struct with ``ground_truth``), and optionally ``ability`` and ``extra_info``
 (see ``examples/data_preprocess/gsm8k.py``). Prompts are left-padded because generation appends
 the response on the right; rows are read from the Arrow table on demand, so a large file costs
-little memory.
+little memory (`data.streaming` reads them lazily instead: `hflow.utils.dataset.streaming`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from hflow.utils.errors import ConfigError, DataError, DataFileNotFoundError
+from hflow.utils.dataset.sources import describe_row, read_table, resolve_files, split_for
+from hflow.utils.errors import ConfigError, DataError
 from hflow.utils.torch_functional import compute_position_id_with_mask
 from hflow.utils.vision import MM_INPUTS, decode_image, split_image_placeholders
 
-__all__ = ["RLHFDataset", "apply_chat_template", "collate_fn", "read_parquet", "read_parquet_schema"]
+__all__ = ["RLHFDataset", "apply_chat_template", "check_prompt_table", "collate_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,11 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 class RLHFDataset(Dataset):
-    """Prompts for RL, one item per parquet row.
+    """Prompts for RL, one item per row of the data files.
 
     Args:
-        data_files: one parquet path or a list (``~`` is expanded).
+        data_files: one path or a list (``~`` is expanded), in any mix of the formats `sources.FORMATS` names; a
+            DatasetDict folder is read at its ``data.train_split`` (``data.val_split`` for ``data.val_files``).
         tokenizer: a Hugging Face tokenizer with a chat template (or set ``data.chat_template``).
         config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
             ``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``return_raw_chat``,
@@ -78,33 +80,8 @@ class RLHFDataset(Dataset):
         tools: Sequence[dict] | None = None,
         processor: Any = None,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.processor = processor
-        self.image_key = config.image_key
-        self.tools = list(tools) if tools else None
+        self._configure(tokenizer, config, files_key, tools, processor)
         self.files = resolve_files(data_files, files_key)
-        self.prompt_key = config.prompt_key
-        self.reward_fn_key = config.reward_fn_key
-        self.max_prompt_length = int(config.max_prompt_length)
-        self.truncation = config.truncation
-        self.return_raw_chat = bool(config.return_raw_chat)
-        self.chat_template = config.chat_template
-        self.files_key = files_key
-        if self.truncation not in TRUNCATION_MODES:
-            raise ConfigError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
-        if self.max_prompt_length < 1:
-            raise ConfigError(f"data.max_prompt_length={self.max_prompt_length}; it must be at least 1")
-        tokenizer_name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
-        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                f"the tokenizer ({tokenizer_name}) has no chat template; set data.chat_template to a Jinja chat "
-                "template, or use a model folder whose tokenizer has one"
-            )
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_token_id is None:
-            raise ConfigError(f"the tokenizer ({tokenizer_name}) has neither a pad token nor an EOS token to pad "
-                              "prompts with; give its tokenizer_config.json an eos_token")
-
         tables = [self._read(path, files_key) for path in self.files]
         # The first row of each file in the concatenated table, and after filtering the rows kept: a
         # sample's file and row, for the messages.
@@ -120,11 +97,46 @@ class RLHFDataset(Dataset):
         elif self.truncation == "error" or self.has_images:  # image prompts are never truncated
             self._check_lengths()
 
+    def _configure(self, tokenizer: Any, config: DictConfig, files_key: str, tools: Sequence[dict] | None,
+                   processor: Any) -> None:
+        """The settings of items, checked (shared with the streamed prompts of `streaming`)."""
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_key = config.image_key
+        self.tools = list(tools) if tools else None
+        self.prompt_key = config.prompt_key
+        self.reward_fn_key = config.reward_fn_key
+        self.max_prompt_length = int(config.max_prompt_length)
+        self.truncation = config.truncation
+        self.return_raw_chat = bool(config.return_raw_chat)
+        self.chat_template = config.chat_template
+        self.files_key = files_key
+        self.split, self.split_key = split_for(config, files_key)  # of a DatasetDict folder
+        if self.truncation not in TRUNCATION_MODES:
+            raise ConfigError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATION_MODES)}")
+        if self.max_prompt_length < 1:
+            raise ConfigError(f"data.max_prompt_length={self.max_prompt_length}; it must be at least 1")
+        tokenizer_name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"the tokenizer ({tokenizer_name}) has no chat template; set data.chat_template to a Jinja chat "
+                "template, or use a model folder whose tokenizer has one"
+            )
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_token_id is None:
+            raise ConfigError(f"the tokenizer ({tokenizer_name}) has neither a pad token nor an EOS token to pad "
+                              "prompts with; give its tokenizer_config.json an eos_token")
+        # with data.mixture, items name their file (`data_file`: its index in the list): rows drawn per file per step
+        self.tag_files = files_key == "data.train_files" and config.get("mixture") is not None
+
     def __len__(self) -> int:
         return self._table.num_rows
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        row = self._table.slice(index, 1).to_pylist()[0]
+        return self.encode_row(self._table.slice(index, 1).to_pylist()[0], index)
+
+    def encode_row(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        """The item of one row (a dict of its columns), sample `index` (for `_where`, and the default ``index``)."""
         messages = row.pop(self.prompt_key)
         if self.has_images:
             ids, row[MM_INPUTS], row["multi_modal_data"] = self._encode_with_images(
@@ -145,6 +157,8 @@ class RLHFDataset(Dataset):
         extra_info = row.get("extra_info")
         given_index = extra_info.get("index") if isinstance(extra_info, dict) else None
         row["index"] = index if given_index is None else given_index
+        if self.tag_files:
+            row["data_file"] = self.file_of(index)
         if self.tools:  # multi-turn: each tool's create/execute kwargs for this sample
             tools_kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
             row["tools_kwargs"] = tools_kwargs or {}
@@ -157,59 +171,26 @@ class RLHFDataset(Dataset):
     # ---- loading ---------------------------------------------------------------------------------
 
     def _read(self, path: str, files_key: str) -> pa.Table:
-        """Read one parquet file and check that it has the columns the trainer and reward need."""
-        table = read_parquet(path, files_key)
-        schema = table.schema
-        columns = schema.names
-
-        def schema_error(what: str) -> DataError:
-            return DataError(f"{files_key}: {path}: {what}; the file has columns {columns}")
-
-        if self.prompt_key not in columns:
-            raise schema_error(f"no prompt column {self.prompt_key!r} (data.prompt_key), which must name the "
-                               "column of chat messages")
-        prompt_type = schema.field(self.prompt_key).type
-        if not (
-            (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
-            and pa.types.is_struct(prompt_type.value_type)
-            and {"role", "content"} <= {field.name for field in prompt_type.value_type}
-        ):
-            raise schema_error(
-                f"column {self.prompt_key!r} is {prompt_type}, not chat messages; store a list of "
-                "{'role': ..., 'content': ...} dicts, e.g. [{'role': 'user', 'content': question}]"
-            )
-        if self.reward_fn_key not in columns:
-            raise schema_error(f"no column {self.reward_fn_key!r} (data.reward_fn_key)")
-        if "reward_model" not in columns:
-            raise schema_error("no column 'reward_model' (a struct with 'ground_truth')")
-        reward_type = schema.field("reward_model").type
-        if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
-            raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
-        self._check_messages(table, path, files_key)
+        """Read one data file (any format `sources` takes) and check it as `check_prompt_table` does."""
+        table = read_table(path, files_key, split=self.split, split_key=self.split_key)
+        check_prompt_table(table, path, files_key, self.prompt_key, self.reward_fn_key)
         return table
 
-    def _check_messages(self, table: pa.Table, path: str, files_key: str) -> None:
-        """Every prompt is a non-empty list of messages with a role and a content (the chat template would
-        fail on a null one, mid-run, with an error naming neither the file nor the row)."""
-        prompts = table.column(self.prompt_key).combine_chunks()
-        empty = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.list_value_length(prompts), 0)).fill_null(True)
-        if pc.any(empty).as_py():
-            row = pc.index(empty, True).as_py()
-            raise DataError(f"{files_key}: {path} row {row}: column {self.prompt_key!r} holds no messages; give "
-                            "every row at least one {'role': ..., 'content': ...} message, or drop the row")
-        messages = prompts.flatten()
-        for field in ("role", "content"):
-            missing = pc.is_null(pc.struct_field(messages, field))
-            if pc.any(missing).as_py():
-                row = pc.list_parent_indices(prompts)[pc.index(missing, True).as_py()].as_py()
-                raise DataError(f"{files_key}: {path} row {row}: a message of column {self.prompt_key!r} has no "
-                                f"{field!r} (null); give every message a role and a content, or drop the row")
+    def file_of(self, index: int) -> int:
+        """The position in `files` of the file the sample at `index` (after filtering) comes from."""
+        row = index if self._kept is None else self._kept[index]
+        return bisect.bisect_right(self._file_starts, row) - 1
+
+    def item_files(self) -> list[int]:
+        """`file_of` every sample, in order (a mixture's sampler draws from each file's samples)."""
+        rows = np.arange(len(self)) if self._kept is None else np.asarray(self._kept)
+        return (np.searchsorted(np.asarray(self._file_starts), rows, side="right") - 1).tolist()
 
     def _where(self, index: int) -> str:
         """File and row of the sample at `index` (after filtering)."""
         row = index if self._kept is None else self._kept[index]
-        file = bisect.bisect_right(self._file_starts, row) - 1
-        return f"{self.files_key}: {self.files[file]} row {row - self._file_starts[file]}"
+        file = self.file_of(index)
+        return f"{self.files_key}: {describe_row(self.files[file], row - self._file_starts[file])}"
 
     def _check_images(self) -> bool:
         """Whether the data has images (a non-empty ``data.image_key`` column); then the model must have a
@@ -248,25 +229,28 @@ class RLHFDataset(Dataset):
         inputs = {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
         return ids, inputs, {"image": images}
 
-    def _lengths(self) -> list[int]:
-        """Token count of every templated prompt (image tokens included)."""
+    def _lengths(self, table: pa.Table | None = None, first: int = 0) -> list[int]:
+        """Token count of every templated prompt of `table` (the dataset's by default; its rows are samples
+        `first`, `first` + 1, ...), image tokens included."""
+        table = self._table if table is None else table
         if self.has_images:
-            rows = self._table.select([self.prompt_key, self.image_key]).to_pylist()
-            return [len(self._encode_with_images(r[self.prompt_key], r[self.image_key], i)[0])
+            rows = table.select([self.prompt_key, self.image_key]).to_pylist()
+            return [len(self._encode_with_images(r[self.prompt_key], r[self.image_key], first + i)[0])
                     for i, r in enumerate(rows)]
-        prompts = self._table.column(self.prompt_key).to_pylist()
-        texts = [self._render(messages, i) for i, messages in enumerate(prompts)]
+        prompts = table.column(self.prompt_key).to_pylist()
+        texts = [self._render(messages, first + i) for i, messages in enumerate(prompts)]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    def _check_lengths(self) -> None:
+    def _check_lengths(self, table: pa.Table | None = None, start: int = 0) -> None:
         """With truncation=error and no filter: no prompt longer than ``max_prompt_length`` (else the run
-        would stop at the batch that holds it, hours in)."""
-        lengths = self._lengths()
+        would stop at the batch that holds it, hours in). `table`, `start`: as `_lengths`'."""
+        lengths = self._lengths(table, start)
         overlong = [i for i, length in enumerate(lengths) if length > self.max_prompt_length]
         if overlong:
             first = overlong[0]
+            sample = start + first
             raise DataError(
-                f"{self._where(first)}: the prompt of sample {first} is {lengths[first]} tokens, longer than "
+                f"{self._where(sample)}: the prompt of sample {sample} is {lengths[first]} tokens, longer than "
                 f"data.max_prompt_length={self.max_prompt_length} ({len(overlong)} of {len(lengths)} prompts are); "
                 + ("raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, or set "
                    "data.truncation to left, right or middle" if not self.has_images else
@@ -383,38 +367,49 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], where: Callab
                         "the row, or set data.chat_template to a template that takes it") from None
 
 
-def read_parquet(path: str | os.PathLike, files_key: str, columns: list[str] | None = None) -> pa.Table:
-    """`pq.read_table`, with errors that name the file and the key it came from (pyarrow's own, such as
-    "Parquet magic bytes not found", name neither)."""
-    try:
-        return pq.read_table(path, columns=columns)
-    except (OSError, pa.ArrowException) as err:
-        raise _unreadable(path, files_key, err) from err
+def check_prompt_table(table: pa.Table, path: str, files_key: str, prompt_key: str, reward_fn_key: str,
+                       first_row: int = 0) -> None:
+    """The columns the trainer and reward need, and every prompt a non-empty list of messages with a role and a
+    content (the chat template would fail on a null one, mid-run, with an error naming neither the file nor the
+    row). `table` holds the file's rows from `first_row` on (a piece of a streamed file); errors name the file and
+    the row in it. One check for every format: the readers give the same table for the same rows."""
+    schema = table.schema
+    columns = schema.names
 
+    def schema_error(what: str) -> DataError:
+        return DataError(f"{files_key}: {path}: {what}; the file has columns {columns}")
 
-def read_parquet_schema(path: str | os.PathLike, files_key: str) -> pa.Schema:
-    """`pq.read_schema` (the footer only), with errors that name the file and the key."""
-    try:
-        return pq.read_schema(path)
-    except (OSError, pa.ArrowException) as err:
-        raise _unreadable(path, files_key, err) from err
+    if prompt_key not in columns:
+        raise schema_error(f"no prompt column {prompt_key!r} (data.prompt_key), which must name the column of chat "
+                           "messages")
+    prompt_type = schema.field(prompt_key).type
+    if not (
+        (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
+        and pa.types.is_struct(prompt_type.value_type)
+        and {"role", "content"} <= {field.name for field in prompt_type.value_type}
+    ):
+        raise schema_error(
+            f"column {prompt_key!r} is {prompt_type}, not chat messages; store a list of "
+            "{'role': ..., 'content': ...} dicts, e.g. [{'role': 'user', 'content': question}]"
+        )
+    if reward_fn_key not in columns:
+        raise schema_error(f"no column {reward_fn_key!r} (data.reward_fn_key)")
+    if "reward_model" not in columns:
+        raise schema_error("no column 'reward_model' (a struct with 'ground_truth')")
+    reward_type = schema.field("reward_model").type
+    if not (pa.types.is_struct(reward_type) and reward_type.get_field_index("ground_truth") >= 0):
+        raise schema_error(f"column 'reward_model' is {reward_type}, not a struct with 'ground_truth'")
 
-
-def _unreadable(path: str | os.PathLike, files_key: str, err: Exception) -> DataError:
-    return DataError(f"{files_key}: {path} is not a readable parquet file ({type(err).__name__}: {err}); "
-                     "write it with pandas' DataFrame.to_parquet or pyarrow.parquet.write_table")
-
-
-def resolve_files(data_files: Any, files_key: str) -> list[str]:
-    """The parquet paths of a data key (one path or a list), each checked to exist; errors name `files_key`."""
-    if data_files is None or (not isinstance(data_files, (str, os.PathLike)) and len(data_files) == 0):
-        raise ConfigError(f"{files_key} is not set; give a parquet file or a list of parquet files")
-    paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
-    resolved = [os.path.expanduser(os.fspath(path)) for path in paths]
-    for path in resolved:
-        if os.path.isdir(path):
-            raise DataError(f"{files_key}: {path!r} is a folder; give the parquet files in it "
-                            f"({files_key}=[a.parquet,b.parquet])")
-        if not os.path.isfile(path):
-            raise DataFileNotFoundError(f"{files_key}: no such file {path!r}")
-    return resolved
+    prompts = table.column(prompt_key).combine_chunks()
+    empty = pc.or_kleene(pc.is_null(prompts), pc.equal(pc.list_value_length(prompts), 0)).fill_null(True)
+    if pc.any(empty).as_py():
+        row = first_row + pc.index(empty, True).as_py()
+        raise DataError(f"{files_key}: {describe_row(path, row)}: column {prompt_key!r} holds no messages; give every "
+                        "row at least one {'role': ..., 'content': ...} message, or drop the row")
+    messages = prompts.flatten()
+    for field in ("role", "content"):
+        missing = pc.is_null(pc.struct_field(messages, field))
+        if pc.any(missing).as_py():
+            row = first_row + pc.list_parent_indices(prompts)[pc.index(missing, True).as_py()].as_py()
+            raise DataError(f"{files_key}: {describe_row(path, row)}: a message of column {prompt_key!r} has no "
+                            f"{field!r} (null); give every message a role and a content, or drop the row")

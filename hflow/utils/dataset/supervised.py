@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hflow.utils.dataset.rl_dataset import resolve_files, apply_chat_template, read_parquet
+from hflow.utils.dataset.rl_dataset import apply_chat_template
+from hflow.utils.dataset.sources import read_table, resolve_files, row_namer, split_for
 from hflow.utils.errors import ConfigError, DataError
 
 __all__ = ["DPODataset", "PreferenceDataset", "SFTDataset", "encode_turn", "pair_collate_fn", "preference_collate_fn",
@@ -111,7 +112,8 @@ class SFTDataset(Dataset):
             raise DataError(f"{files_key}: no rows in {data_files}")
 
     def _read(self, path: str, files_key: str, cfg) -> None:
-        table = read_parquet(path, files_key)
+        table = read_table(path, files_key, None, *split_for(cfg, files_key))
+        name = row_namer(path)
         if table.num_rows == 0:
             raise DataError(f"{files_key}: {path} has no rows")
         if cfg.messages_key in table.column_names:
@@ -120,11 +122,11 @@ class SFTDataset(Dataset):
             _check_columns(table, [cfg.prompt_key, cfg.response_key], path, files_key,
                            f"give a chat column data.messages_key={cfg.messages_key!r}, or prompt and response columns "
                            f"(data.prompt_key, data.response_key)")
-            chats = [_as_chat(p, f"{path} row {i} column {cfg.prompt_key!r}") + [{"role": "assistant", "content": r}]
+            chats = [_as_chat(p, f"{name(i)} column {cfg.prompt_key!r}") + [{"role": "assistant", "content": r}]
                      for i, (p, r) in enumerate(zip(table.column(cfg.prompt_key).to_pylist(),
                                                      table.column(cfg.response_key).to_pylist()))]
         for i, chat in enumerate(chats):
-            where = f"{path} row {i}"
+            where = name(i)
             self.rows.append(self._encode(_as_chat(chat, f"{where} column {cfg.messages_key!r}"), where, cfg))
 
     def _encode(self, chat: list[dict[str, str]], where: str, cfg) -> tuple[list[int], list[int]]:
@@ -200,7 +202,8 @@ class PreferenceDataset(Dataset):
         self.group_size = sizes.pop()
 
     def _read(self, path: str, files_key: str, cfg) -> None:
-        table = read_parquet(path, files_key)
+        table = read_table(path, files_key, None, *split_for(cfg, files_key))
+        name = row_namer(path)
         if table.num_rows == 0:
             raise DataError(f"{files_key}: {path} has no rows")
         kway = cfg.responses_key in table.column_names
@@ -217,7 +220,7 @@ class PreferenceDataset(Dataset):
         before = len(self.groups)
         ties = 0
         for i, (prompt, (responses, label)) in enumerate(zip(table.column(cfg.prompt_key).to_pylist(), rows)):
-            where = f"{path} row {i}"
+            where = name(i)
             column = cfg.responses_key if kway else f"{cfg.chosen_key}/{cfg.rejected_key}"
             if not isinstance(responses, list) or len(responses) < 2 or not all(isinstance(r, str) for r in responses):
                 raise DataError(f"{where} column {column!r}: needs at least two response texts")
@@ -278,7 +281,8 @@ class DPODataset(Dataset):
             self._read(path, files_key, config)
 
     def _read(self, path: str, files_key: str, cfg) -> None:
-        table = read_parquet(path, files_key)
+        table = read_table(path, files_key, None, *split_for(cfg, files_key))
+        name = row_namer(path)
         if table.num_rows == 0:
             raise DataError(f"{files_key}: {path} has no rows")
         _check_columns(table, [cfg.chosen_key, cfg.rejected_key], path, files_key,
@@ -290,12 +294,12 @@ class DPODataset(Dataset):
         identical = []
         for i, (prompt, chosen, rejected) in enumerate(zip(prompts, table.column(cfg.chosen_key).to_pylist(),
                                                            table.column(cfg.rejected_key).to_pylist())):
-            where = f"{path} row {i}"
+            where = name(i)
             context, chosen_reply = self._conversation(prompt, chosen, f"{where} column {cfg.chosen_key!r}", cfg)
             other, rejected_reply = self._conversation(prompt, rejected, f"{where} column {cfg.rejected_key!r}", cfg)
             for key, reply in ((cfg.chosen_key, chosen_reply), (cfg.rejected_key, rejected_reply)):
                 if not reply.strip():  # only the end-of-turn token to compare: a pair of nothing
-                    raise DataError(f"{files_key}: {path} row {i} column {key!r}: the reply is empty; a pair needs "
+                    raise DataError(f"{files_key}: {name(i)} column {key!r}: the reply is empty; a pair needs "
                                     "two replies with text: remove the row or fill in its reply")
             if other != context:
                 raise DataError(f"{where}: the conversation before the reply differs between {cfg.chosen_key!r} and "
