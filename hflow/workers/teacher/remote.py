@@ -7,7 +7,8 @@ log p(ids[j] | ids[:j]) for the token itself and the server's k most likely toke
 sampled token's log-prob and, with the JSD term, the teacher's top-k, at the raw logits (temperature 1; the
 config check refuses another teacher temperature). Before training, `check_remote_teacher` probes the server
 with a short timeout (a dead URL stops the run there, naming the key) and checks that it tokenizes a probe
-string as the student's tokenizer does (its `/tokenize`), since it reads the student's ids.
+string as the student's tokenizer does (its `/tokenize`) and decodes ids spread over the student's whole
+vocabulary to the same text (its `/detokenize`), since it reads the student's ids.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = ["RemoteTeacher", "check_remote_teacher"]
 
 # tokenized both ways: digits, spaces, punctuation and non-ASCII, where tokenizers differ first
 PROBE = "Teacher probe: 12 + 30 = 42. Naïve café, über-fast; (x^2)!"
+VOCAB_SAMPLES = 64  # token ids, spread over the student's vocabulary, decoded both ways
 ROWS_PER_REQUEST = 16  # rows sent in one request (the server batches them)
 
 
@@ -70,6 +72,26 @@ def check_remote_teacher(teacher: Any, tokenizer) -> str:
         raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) tokenizes {PROBE!r} as {served[:12]}..., "
                           f"the student's tokenizer as {local[:12]}...; the teacher scores the student's token ids, so "
                           "serve a model with the student's tokenizer")
+    # a probe string reaches only common ids: ids spread over the student's whole vocabulary, up to its last,
+    # must decode to the same text there (a smaller or reordered vocabulary does not)
+    size = len(tokenizer)
+    ids = sorted({round(i * (size - 1) / (VOCAB_SAMPLES - 1)) for i in range(VOCAB_SAMPLES)})
+    # and the first id past the student's last must mean nothing there: the server's top-k could name it
+    try:
+        text, beyond = (http_json(f"{url}/detokenize", {"model": model, "tokens": tokens},
+                                  float(teacher.url_timeout_s))["prompt"] for tokens in (ids, [size]))
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) cannot decode the student's token ids "
+                          f"up to {size - 1} ({type(err).__name__}: {err}); serve a model with the student's "
+                          "tokenizer") from None
+    if text != tokenizer.decode(ids):
+        raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) decodes the student's token ids "
+                          f"{ids[-4:]} to other text than the student's tokenizer does; serve a model with the "
+                          "student's tokenizer")
+    if beyond:
+        raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) has a token {beyond!r} at id {size}, past "
+                          f"the student's last token id {size - 1}: its vocabulary is larger than the student's "
+                          "tokenizer's; serve a model with the student's tokenizer")
     return model
 
 
