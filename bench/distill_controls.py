@@ -99,7 +99,7 @@ def main() -> int:
     arms = OPSD_ARMS if args.opsd else ARMS
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    paths = teacher_paths()  # built before the runs start (the teacher once, a few minutes)
+    paths = {} if args.opsd else teacher_paths()  # built before the runs start (the teacher once, a few minutes)
     result = {"command": "python bench/distill_controls.py " + " ".join(sys.argv[1:]), "commit": commit,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
