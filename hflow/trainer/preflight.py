@@ -217,10 +217,13 @@ def preflight_check(config: DictConfig) -> None:
     check_code_isolation(config)  # code tools / code rewards: the sandbox isolates, or the run stops here
     probe_reward(config)  # the reward scores a few validation rows in time, or the run stops here
     if config.teacher.url is not None:  # a dead server or another tokenizer stops the run here
-        from hflow.trainer.main_ppo import load_tokenizer
+        from transformers import AutoTokenizer
+
         from hflow.workers.teacher.remote import check_remote_teacher
 
-        check_remote_teacher(config.teacher, load_tokenizer(arr.model, "actor_rollout_ref.model"))
+        student = AutoTokenizer.from_pretrained(str(arr.model.tokenizer_path or arr.model.path),
+                                                trust_remote_code=bool(arr.model.trust_remote_code))
+        check_remote_teacher(config.teacher, student)
     if trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
         from hflow.reward.audit import check_reward_before_training
 

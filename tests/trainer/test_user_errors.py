@@ -233,6 +233,8 @@ CASES = [
      ["teacher.url=http://127.0.0.1:9 does not answer", "teacher.url_timeout_s=2"]),
     ("remote-teacher-not-http", PPO, ["algorithm.distill.coef=1", "teacher.url=localhost:8000"],
      ["teacher.url=localhost:8000 must start with http://"]),
+    ("remote-teacher-timeout-zero", PPO, ["algorithm.distill.coef=1", "teacher.url=http://127.0.0.1:9",
+                                          "teacher.url_timeout_s=0"], ["teacher.url_timeout_s=0", "must be > 0"]),
     ("remote-teacher-temperature", PPO, ["algorithm.distill.coef=1", "teacher.url=http://127.0.0.1:9",
                                          "teacher.temperature=0.7"],
      ["teacher.temperature=0.7", "temperature 1"]),

@@ -42,16 +42,8 @@ class TeacherWorker(Worker, FSDPModelHolder):
         # {name: (FSDP module, its log-prob entry point)}: "" for teacher.model, else one per data source
         self.teachers = {}
         for name, model_cfg in teacher_models(self.config).items():
-            module = fsdp.load_causal_lm(
-                model_cfg.path,
-                dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
-                override_config=model_cfg.override_config,
-                trust_remote_code=model_cfg.trust_remote_code,
-                attn_implementation=model_cfg.attn_implementation,
-                rank0_only=True,
-            )
-            module, _, _ = self._build_trainable(module, self.config.fsdp_config, None, gradient_checkpointing=False,
-                                                 train=False)
+            module, _, _ = self._build_trainable(fsdp.load_frozen_causal_lm(model_cfg), self.config.fsdp_config, None,
+                                                 gradient_checkpointing=False, train=False)
             self.teachers[name] = (module, DataParallelPPOActor(self.config, module))
             self._offload(module, None, self._offload_param, False)
 
