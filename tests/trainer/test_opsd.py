@@ -11,8 +11,9 @@ wrong answer (`extra_info.wrong_answer` = the answer + 2): the same machinery, a
 number, and the student never answers right. A bug that moved the student whatever the context says (the
 context dropped, the response re-tokenised off its positions, a task reward leaking in) fails one of the two.
 
-The runs are the real entry point on the local backend with the recipe of tests/trainer/test_distillation.py;
-bench/opsd_task.py runs both arms over 3 seeds (bench/results/opsd_task.md).
+The runs are the real entry point on the local backend with the recipe of tests/trainer/test_distillation.py
+(slow tier: 6 steps; fast tier: 2 steps); `bench/distill_controls.py --opsd` runs both arms over 3 seeds
+(bench/results/opsd_task.md).
 """
 
 from pathlib import Path
@@ -23,9 +24,8 @@ import pytest
 
 from tests.trainer.test_distillation import distill
 
-pytestmark = pytest.mark.slow  # learning runs (self-distillation and its control)
-
 STEPS = 6
+FAST_STEPS = 2  # the fast tier's version: the first validation after training, both arms
 TEMPLATES = {"answer": "{prompt}\nThe answer is {ground_truth}.", "wrong": "{prompt}\nThe answer is {wrong_answer}."}
 # the built-in task's own settings (config/builtin_task.yaml), which apply only when model and data are both unset
 BUILTIN = ["data.max_prompt_length=32", "data.max_response_length=8",
@@ -49,7 +49,11 @@ def opsd(work: Path, arm: str, steps: int, seed: int, threads: int | None = None
     return distill(work, assets.model_path, steps, seed, threads=threads, overrides=overrides)
 
 
-@pytest.mark.parametrize("arm", ["answer", "wrong"], ids=["privileged-answer", "control-wrong-answer"])
+ARMS = pytest.mark.parametrize("arm", ["answer", "wrong"], ids=["privileged-answer", "control-wrong-answer"])
+
+
+@pytest.mark.slow  # learning runs (self-distillation and its control)
+@ARMS
 def test_self_distillation_teaches_only_with_the_right_context(tmp_path, arm):
     curve = opsd(tmp_path, arm, STEPS, seed=1)
     assert sorted(curve) == list(range(0, STEPS + 1, 2)), curve
@@ -58,3 +62,15 @@ def test_self_distillation_teaches_only_with_the_right_context(tmp_path, arm):
         assert curve[STEPS] >= 0.8, f"did not learn from its privileged self: {curve}"
     else:
         assert max(curve.values()) <= 0.2, f"learned from a teacher shown a wrong answer: {curve}"
+
+
+@ARMS
+def test_two_steps_of_self_distillation_move_the_student_only_with_the_right_context(tmp_path, arm):
+    """The fast tier's version: after 2 steps the right context has lifted the held-out score (0.35-0.57 in
+    bench/results/opsd_task.md) and the wrong one has not."""
+    curve = opsd(tmp_path, arm, FAST_STEPS, seed=1)
+    assert curve[0] <= 0.2, curve
+    if arm == "answer":
+        assert curve[FAST_STEPS] >= 0.25, f"did not move towards its privileged self: {curve}"
+    else:
+        assert curve[FAST_STEPS] <= 0.1, f"moved towards the right answer with a wrong context: {curve}"
