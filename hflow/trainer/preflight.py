@@ -223,7 +223,7 @@ def preflight_check(config: DictConfig) -> None:
 
         student = AutoTokenizer.from_pretrained(str(arr.model.tokenizer_path or arr.model.path),
                                                 trust_remote_code=bool(arr.model.trust_remote_code))
-        check_remote_teacher(config.teacher, student)
+        check_remote_teacher(config.teacher, student, int(config.teacher.topk) if algo.distill.jsd_coef > 0 else 0)
     if trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
         from hflow.reward.audit import check_reward_before_training
 

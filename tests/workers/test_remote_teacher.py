@@ -95,6 +95,9 @@ def test_remote_teacher_refuses_another_tokenizer_or_model_name(served, tmp_path
                                                               tokenizer_kwargs={"vocab_size": vocab}))
         with pytest.raises(ConfigError, match=f"{words}.* serve a model with the student's tokenizer"):
             check_remote_teacher(config.teacher, other)
+    # the JSD term's k above the server's --max-logprobs (32 here)
+    with pytest.raises(ConfigError, match="prompt_logprobs=64 .*teacher.topk: lower it, or start vLLM with --max"):
+        check_remote_teacher(config.teacher, AutoTokenizer.from_pretrained(model), topk=64)
     config.teacher.url_model = "no-such-model"
     with pytest.raises(ConfigError, match="teacher.url_model=no-such-model is not served"):
         check_remote_teacher(config.teacher, AutoTokenizer.from_pretrained(model))

@@ -127,6 +127,11 @@ def check_teacher(config: Any) -> None:
         raise ConfigError(f"{named.get(kinds[0], kinds[0])} is set but algorithm.distill.coef=0 and algorithm.distill.jsd_coef=0, so "
                           f"nothing uses the teacher; set one of them > 0, or unset {kinds[0].split('=')[0]}")
     check_privileged_template(teacher)
+    if teacher.source == "self" and config.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ConfigError("teacher.source=self rebuilds each prompt with the privileged context, without the tools' "
+                          "schemas that multi-turn prompts carry, so the teacher would read another prompt than "
+                          "the one it should; set actor_rollout_ref.rollout.multi_turn.enable=false, or use "
+                          "teacher.source=model")
     if teacher.url is not None:
         check_url_settings(teacher)
     for name, entry in teacher.by_data_source.items():

@@ -56,9 +56,10 @@ def served_model(teacher: Any) -> str:
     return str(teacher.url_model or names[0])
 
 
-def check_remote_teacher(teacher: Any, tokenizer) -> str:
-    """Preflight: the server answers (short timeout) and tokenizes `PROBE` to the student's ids. Returns the
-    served model's name."""
+def check_remote_teacher(teacher: Any, tokenizer, topk: int = 0) -> str:
+    """Preflight: the server answers (short timeout), tokenizes `PROBE` to the student's ids, decodes the
+    student's ids as the student does, and scores a prompt with `prompt_logprobs=topk` (the JSD term's k; vLLM
+    caps it at its `--max-logprobs`). Returns the served model's name."""
     model = served_model(teacher)
     url = str(teacher.url).rstrip("/")
     body = {"model": model, "prompt": PROBE, "add_special_tokens": False}
@@ -92,6 +93,14 @@ def check_remote_teacher(teacher: Any, tokenizer) -> str:
         raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) has a token {beyond!r} at id {size}, past "
                           f"the student's last token id {size - 1}: its vocabulary is larger than the student's "
                           "tokenizer's; serve a model with the student's tokenizer")
+    body = {"model": model, "prompt": [local], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": topk}
+    try:
+        http_json(f"{url}/v1/completions", body, max(float(teacher.url_timeout_s), 60.0))
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        detail = err.read().decode(errors="replace")[:300] if isinstance(err, urllib.error.HTTPError) else err
+        raise ConfigError(f"the server at teacher.url={teacher.url} ({model}) does not score a prompt with "
+                          f"prompt_logprobs={topk} ({detail}); with algorithm.distill.jsd_coef > 0 that is "
+                          "teacher.topk: lower it, or start vLLM with --max-logprobs >= it") from None
     return model
 
 

@@ -30,7 +30,8 @@ class TeacherScorer:
         self.group = group  # the teacher worker group (None with teacher.url)
         self.remote = None
         if self.teacher.url is not None:
-            self.remote = RemoteTeacher(self.teacher, check_remote_teacher(self.teacher, tokenizer))
+            topk = int(self.teacher.topk) if float(config.algorithm.distill.jsd_coef) > 0 else 0
+            self.remote = RemoteTeacher(self.teacher, check_remote_teacher(self.teacher, tokenizer, topk))
 
     def score(self, batch: DataProto, topk: int) -> DataProto:
         """`teacher_log_prob` (B, L) of the sampled responses; with `topk` > 0 also `teacher_topk_ids` and
