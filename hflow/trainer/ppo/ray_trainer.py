@@ -4,8 +4,8 @@ The workers run on Ray (`trainer.backend=ray`, one process per device) or in thi
 (`trainer.backend=local`, one rank); the trainer drives both the same way. Every training role lives in
 one resource pool and, through the colocated worker class, in one process per device: the actor (with
 its rollout engine when colocated: `actor_rollout`), the reference policy (`ref`, only when a KL term is
-used), the critic (`critic`, only for GAE), the distillation teacher (`teacher`, only with
-`teacher.model.path`) and the reward model (`rm`, only when enabled). `fit()` reads
+used), the critic (`critic`, only for GAE), the distillation teacher (`teacher`, only with a local
+teacher: `teacher.model.path`, `source=self` or `by_data_source`; `teacher.url` needs none) and the reward model (`rm`, only when enabled). `fit()` reads
 like the algorithm; each heavy phase is one worker-group call. Its helpers, each in its own module: the
 batches and their responses (`rollout_source`: the asynchronous pipeline, the weight stream), the scores
 (`hflow.reward.batch_scorer`), validation (`validation`), the health watch and its rollback (`health`),
