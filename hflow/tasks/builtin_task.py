@@ -109,6 +109,9 @@ class BuiltinSpec:
     # pre-training on the sloppy corpus
     p_correct: float = 0.2  # share of corpus answers that are right; the rest are one too high ...
     p_hedge: float = 0.0  # ... or a hedge, "<right> or <right + 1>" (which a last-number scorer marks wrong)
+    # weight of prompts that carry a hint, "<question>\nThe answer is <h>." for h = answer + 0..3, answered h:
+    # a model that reads a hint (self-distillation's teacher, tests/trainer/test_opsd.py); 0 = none
+    p_hint: float = 0.0
     steps: int = 400
     problems_per_step: int = 64  # each problem is seen with both of its answers per step
     lr: float = 5e-3
@@ -124,10 +127,11 @@ class BuiltinSpec:
         return spec_digest(self.as_dict())
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields, less a zero `p_hedge` (added later: the specs without hedges keep their digests)."""
+        """The fields, less those added later at their zero (`p_hedge`, `p_hint`, the MoE keys): older specs keep their digests."""
         fields = asdict(self)
-        if not fields["p_hedge"]:
-            del fields["p_hedge"]
+        for key in ("p_hedge", "p_hint"):  # added later: the specs without them keep their digests
+            if not fields[key]:
+                del fields[key]
         if not fields["num_experts"]:  # added later too: the dense specs keep their digests
             for key in ("num_experts", "experts_per_token", "aux_loss_coef"):
                 del fields[key]
@@ -153,6 +157,12 @@ HEDGING_SPEC = BuiltinSpec(p_correct=0.1, p_hedge=0.45)
 # answer right), so it answers the task correctly where the default model prefers one too high
 # (`python -m hflow.tasks.builtin_task --teacher`; tests/trainer/test_distillation.py).
 TEACHER_SPEC = BuiltinSpec(p_correct=1.0)
+# Self-distillation's student: the default sloppy model, also pre-trained to answer what a hint in the prompt
+# says (`HINT`, whatever the hint). Without a hint it prefers one too high; shown the right answer it says it
+# (tests/trainer/test_opsd.py, bench/opsd_task.py).
+HINT_SPEC = BuiltinSpec(p_hint=1.0)
+HINT = "The answer is {}."
+HINT_OFFSETS = (0, 1, 2, 3)
 # The built-in model as a mixture of experts (router replay, the load-balancing loss): a Qwen3-MoE of the same
 # width with 4 experts of 128, 2 per token, pre-trained on the same sloppy corpus
 # (`python -m hflow.tasks.builtin_task --moe`; tests/workers/test_moe.py).
@@ -255,6 +265,11 @@ def _pretrain(model_dir: Path, problems: list[Problem], spec: BuiltinSpec) -> di
             seqs.append(prompt + tokenizer.encode(text, add_special_tokens=False) + [eos])
             starts.append(len(prompt))
             weights.append(weight)
+        for offset in HINT_OFFSETS if spec.p_hint else ():  # the hinted prompt answers its hint
+            hinted = prompt_ids(tokenizer, f"{p.question}\n{HINT.format(p.answer + offset)}")
+            seqs.append(hinted + tokenizer.encode(str(p.answer + offset), add_special_tokens=False) + [eos])
+            starts.append(len(hinted))
+            weights.append(spec.p_hint / len(HINT_OFFSETS))
     n, length = len(seqs), max(map(len, seqs))
     ids = torch.full((n, length), tokenizer.pad_token_id, dtype=torch.long)
     target_mask = torch.zeros((n, length - 1), dtype=torch.bool)  # positions that predict an answer token

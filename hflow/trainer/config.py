@@ -35,7 +35,7 @@ from hflow.utils.dataset.config import DataConfig, DPODataConfig, RMDataConfig, 
 from hflow.utils.tracking import check_backends
 from hflow.workers.config import ActorRolloutRefConfig, CheckpointConfig, DPOConfig, FSDPConfig, OptimConfig
 from hflow.workers.critic.config import CriticConfig
-from hflow.workers.teacher.config import TeacherConfig
+from hflow.workers.teacher.config import TeacherConfig, uses_teacher
 
 __all__ = [
     "DPOTrainerConfig",
@@ -359,7 +359,7 @@ def reuses_update_log_probs(config: Any) -> bool:
         return bool(algo.reuse_update_log_probs)
     return (int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
             and not algo.use_kl_in_reward and algo.rollout_is is None and not rollout_mask_on(algo)
-            and not algo.use_rollout_log_probs and config.teacher.model.path is None
+            and not algo.use_rollout_log_probs and not uses_teacher(config)
             and int(config.trainer.async_steps) == 0)
 
 

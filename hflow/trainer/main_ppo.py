@@ -25,6 +25,7 @@ from hflow.trainer.preflight import preflight_check
 from hflow.utils.errors import UserError
 from hflow.utils.logging_utils import install_library_filter, library_noise_env
 from hflow.workers.rollout.vllm_env import VLLM_ENV
+from hflow.workers.teacher.config import resolve_teacher
 
 
 # Environment every worker process starts with: in-process vLLM engines on the model runner hflow chose
@@ -43,6 +44,7 @@ def run_ppo(config: DictConfig, user_keys: frozenset[str] = frozenset()) -> dict
     """Train; `user_keys` are the config keys given on the command line."""
     config = validate_config(config)  # unknown keys and wrong types stop here, naming the key
     fill_builtin_defaults(config, user_keys)
+    resolve_teacher(config)  # teacher.source=self: the policy's own folder, its prompts' messages kept
     from hflow.trainer.memory.defaults import resolve_for_run
 
     resolve_for_run(config)  # null "by the device" keys (token budgets on GPU), printed; before the checks read them

@@ -73,7 +73,8 @@ from hflow.workers.config import (
     check_update_batches,
 )
 from hflow.workers.critic.config import check_critic, check_critic_batches
-from hflow.workers.teacher.config import check_teacher, check_teacher_vocab
+from hflow.workers.teacher.config import check_teacher, check_teacher_vocab, uses_teacher
+from hflow.workers.teacher.privileged import check_teacher_data
 from hflow.workers.rollout.config import (
     check_admission,
     check_endpoint_rollout,
@@ -127,8 +128,10 @@ def preflight_check(config: DictConfig) -> None:
     run(check_kl_in_reward, algo)
     run(check_distill_coefs, algo)
     # on-policy distillation: a teacher exactly when a weight uses it, and with the student's vocabulary
-    if run(check_teacher, config) and model_ok and config.teacher.model.path is not None:
+    if run(check_teacher, config) and model_ok and uses_teacher(config):
         run(check_teacher_vocab, config)
+        if data_ok:
+            run(check_teacher_data, config)  # template fields and teachers' data sources, row by row
     run(check_rollout_name, rollout.name)
     run(check_admission, rollout)
     run(check_endpoint_rollout, rollout)
@@ -215,6 +218,14 @@ def preflight_check(config: DictConfig) -> None:
     # on a configuration without errors: what calls or tries something, one after the other
     check_code_isolation(config)  # code tools / code rewards: the sandbox isolates, or the run stops here
     probe_reward(config)  # the reward scores a few validation rows in time, or the run stops here
+    if config.teacher.url is not None:  # a dead server or another tokenizer stops the run here
+        from transformers import AutoTokenizer
+
+        from hflow.workers.teacher.remote import check_remote_teacher
+
+        student = AutoTokenizer.from_pretrained(str(arr.model.tokenizer_path or arr.model.path),
+                                                trust_remote_code=bool(arr.model.trust_remote_code))
+        check_remote_teacher(config.teacher, student, int(config.teacher.topk) if algo.distill.jsd_coef > 0 else 0)
     if trainer.reward_audit:  # score gaming responses with the run's reward; refuse to train on a hole
         from hflow.reward.audit import check_reward_before_training
 
@@ -333,7 +344,7 @@ def check_reuse_is_on_policy(config: DictConfig) -> None:
             "actor_rollout_ref.actor.ppo_mini_batch_size equal to data.train_batch_size "
             f"(got {actor.ppo_epochs}, {actor.ppo_mini_batch_size}, {config.data.train_batch_size}) and "
             "algorithm.use_kl_in_reward=false")
-    if algo.reuse_update_log_probs and config.teacher.model.path is not None:
+    if algo.reuse_update_log_probs and uses_teacher(config):
         raise ConfigError("a teacher (teacher.model.path) is compared with the student's log-probs before the update "
                           "(the distillation reward and its metrics), which algorithm.reuse_update_log_probs=true "
                           "does not compute; set it to null or false")

@@ -285,16 +285,8 @@ class ActorRolloutRefWorker(Worker, FSDPModelHolder):
         elif self._is_ref:
             from hflow.workers.actor import DataParallelPPOActor
 
-            ref_module = fsdp.load_causal_lm(
-                model_cfg.path,
-                dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
-                override_config=model_cfg.override_config,
-                trust_remote_code=model_cfg.trust_remote_code,
-                attn_implementation=model_cfg.attn_implementation,
-                rank0_only=True,
-            )
             self.ref_module, _, _ = self._build_trainable(
-                ref_module, self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False,
+                fsdp.load_frozen_causal_lm(model_cfg), self.config.ref.fsdp_config, None, gradient_checkpointing=False, train=False,
                 kernels=model_cfg, role="ref")
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
         self._offload(getattr(self, "actor_module", None), getattr(self, "actor_optimizer", None),

@@ -256,10 +256,7 @@ class DPOWorker(SFTWorker):
 
         super().init_model()
         model_cfg = self.config.model
-        ref = fsdp.load_causal_lm(
-            model_cfg.path, dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
-            override_config=model_cfg.override_config, trust_remote_code=model_cfg.trust_remote_code,
-            attn_implementation=model_cfg.attn_implementation, rank0_only=True)
+        ref = fsdp.load_frozen_causal_lm(model_cfg)
         self.ref_module, _, _ = self._build_trainable(ref, model_cfg.fsdp_config, None, gradient_checkpointing=False,
                                                       train=False)
         self.ref_module.eval()

@@ -48,6 +48,8 @@ def files(tmp_path_factory) -> Path:
     pq.write_table(pa.Table.from_pylist([{**row, "prompt": [{"role": "user", "content": "word " * 300}]}
                                          for row in rows[:8]]), root / "long.parquet")
     pq.write_table(pa.Table.from_pylist(rows[:4]), root / "four_rows.parquet")
+    pq.write_table(pa.Table.from_pylist([{**row, "data_source": "openai/gsm8k"} if i % 2 else row
+                                         for i, row in enumerate(rows)]), root / "two_sources.parquet")
     table.to_pandas().to_csv(root / "csv.parquet")
     (root / "json.parquet").write_text(json.dumps(rows[:3]))
     (root / "folder.parquet").mkdir()
@@ -192,6 +194,53 @@ CASES = [
      ["algorithm.adv_estimator=remax", "greedy response", "algorithm.distill.coef=1", "adv_estimator=grpo"]),
     ("teacher-topk-above-vocabulary", PPO, ["algorithm.distill.jsd_coef=1", "teacher.model.path={files}/teacher",
                                             "teacher.topk=100000"], ["teacher.topk=100000", "tokens"]),
+    # the teacher's kinds: self-distillation, several teachers, a remote server
+    ("teacher-source-unknown", PPO, ["algorithm.distill.coef=1", "teacher.source=policy"],
+     ["teacher.source=policy is unknown", "model, self"]),
+    ("self-teacher-without-template", PPO, ["algorithm.distill.coef=1", "teacher.source=self"],
+     ["teacher.privileged_template=None", "non-empty string"]),
+    ("self-teacher-template-field-missing", PPO, ["algorithm.distill.coef=1", "teacher.source=self",
+                                                  "teacher.privileged_template='{{prompt}} Hint: {{hint}}'"],
+     ["data.train_files:", "row 0 has no field 'hint'", "teacher.privileged_template"]),
+    ("self-teacher-list-field-missing", PPO, ["algorithm.distill.coef=1", "teacher.source=self",
+                                              "teacher.privileged_template=[ground_truth,solution]"],
+     ["row 0 has no field 'solution'"]),
+    ("self-teacher-with-another-model", PPO, ["algorithm.distill.coef=1", "teacher.source=self",
+                                              "teacher.privileged_template=[ground_truth]",
+                                              "teacher.model.path={files}/other_vocab"],
+     ["teacher.source=self", "teacher.model.path={files}/other_vocab names another model"]),
+    ("self-teacher-multi-turn", PPO, ["algorithm.distill.coef=1", "teacher.source=self",
+                                      "teacher.privileged_template=[ground_truth]", MULTI_TURN],
+     ["teacher.source=self", "multi_turn.enable=false"]),
+    ("template-without-self", PPO, ["algorithm.distill.coef=1", "teacher.model.path={files}/teacher",
+                                    "teacher.privileged_template=[ground_truth]"],
+     ["teacher.privileged_template is read only with teacher.source=self"]),
+    ("two-kinds-of-teacher", PPO, ["algorithm.distill.coef=1", "teacher.model.path={files}/teacher",
+                                   "teacher.url=http://127.0.0.1:9"],
+     ["teacher.model.path and teacher.url both name the teacher"]),
+    ("teacher-for-an-unknown-source", PPO, ["algorithm.distill.coef=1",
+                                            "+teacher.by_data_source={{nosuch: {{model: {{path: {files}/teacher}}}}}}"],
+     ["teacher.by_data_source.nosuch names a data source that no training row has", "hflow/arithmetic"]),
+    ("teacher-entry-without-model", PPO, ["algorithm.distill.coef=1",
+                                          "+teacher.by_data_source={{hflow/arithmetic: {{path: {files}/teacher}}}}"],
+     ["teacher.by_data_source.hflow/arithmetic must be {{model: {{path: <folder>}}}}"]),
+    ("teacher-entry-path-missing", PPO, ["algorithm.distill.coef=1",
+                                         "+teacher.by_data_source={{hflow/arithmetic: {{model: {{path: {files}/no}}}}}}"],
+     ["teacher.by_data_source.hflow/arithmetic.model.path={files}/no", "not a folder"]),
+    ("required-teacher-missing-for-a-source", PPO, [
+        "algorithm.distill.coef=1", "data.train_files={files}/two_sources.parquet", "teacher.required=true",
+        "+teacher.by_data_source={{hflow/arithmetic: {{model: {{path: {files}/teacher}}}}}}"],
+     ["teacher.required=true", "data_source 'openai/gsm8k'", "has no teacher"]),
+    ("remote-teacher-dead-url", PPO, ["algorithm.distill.coef=1", "teacher.url=http://127.0.0.1:9",
+                                      "teacher.url_timeout_s=2"],
+     ["teacher.url=http://127.0.0.1:9 does not answer", "teacher.url_timeout_s=2"]),
+    ("remote-teacher-not-http", PPO, ["algorithm.distill.coef=1", "teacher.url=localhost:8000"],
+     ["teacher.url=localhost:8000 must start with http://"]),
+    ("remote-teacher-timeout-zero", PPO, ["algorithm.distill.coef=1", "teacher.url=http://127.0.0.1:9",
+                                          "teacher.url_timeout_s=0"], ["teacher.url_timeout_s=0", "must be > 0"]),
+    ("remote-teacher-temperature", PPO, ["algorithm.distill.coef=1", "teacher.url=http://127.0.0.1:9",
+                                         "teacher.temperature=0.7"],
+     ["teacher.temperature=0.7", "temperature 1"]),
     # multi-turn agent rollouts
     ("tool-config-missing", PPO, [MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.tool_config_path={files}/no.yaml"],
      ["actor_rollout_ref.rollout.multi_turn.tool_config_path", "no.yaml", "no such file"]),

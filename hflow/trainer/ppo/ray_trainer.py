@@ -4,8 +4,8 @@ The workers run on Ray (`trainer.backend=ray`, one process per device) or in thi
 (`trainer.backend=local`, one rank); the trainer drives both the same way. Every training role lives in
 one resource pool and, through the colocated worker class, in one process per device: the actor (with
 its rollout engine when colocated: `actor_rollout`), the reference policy (`ref`, only when a KL term is
-used), the critic (`critic`, only for GAE), the distillation teacher (`teacher`, only with
-`teacher.model.path`) and the reward model (`rm`, only when enabled). `fit()` reads
+used), the critic (`critic`, only for GAE), the distillation teacher (`teacher`, only with a local
+teacher: `teacher.model.path`, `source=self` or `by_data_source`; `teacher.url` needs none) and the reward model (`rm`, only when enabled). `fit()` reads
 like the algorithm; each heavy phase is one worker-group call. Its helpers, each in its own module: the
 batches and their responses (`rollout_source`: the asynchronous pipeline, the weight stream), the scores
 (`hflow.reward.batch_scorer`), validation (`validation`), the health watch and its rollback (`health`),
@@ -53,6 +53,8 @@ from hflow.utils.torch_functional import masked_mean
 from hflow.utils.tracking import Tracking
 from hflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from hflow.workers.rollout_worker import RolloutWorker
+from hflow.workers.teacher.config import teacher_models, uses_teacher
+from hflow.workers.teacher.scorer import TeacherScorer
 from hflow.workers.teacher.worker import TeacherWorker
 
 __all__ = ["RayPPOTrainer", "Role", "apply_kl_penalty", "compute_advantage", "compute_response_mask",
@@ -158,7 +160,8 @@ class RayPPOTrainer:
         actor = config.actor_rollout_ref.actor
         self.use_critic = algo.adv_estimator == core_algos.AdvantageEstimator.GAE
         self.use_reference_policy = bool(algo.use_kl_in_reward or actor.use_kl_loss)
-        self.use_teacher = config.teacher.model.path is not None  # on-policy distillation (algorithm.distill)
+        self.use_teacher = uses_teacher(config)  # on-policy distillation (algorithm.distill)
+        self.teacher: TeacherScorer | None = None  # set with the workers
         self.reuse_update_log_probs = reuses_update_log_probs(config)
         self.kl_ctrl_in_reward = core_algos.get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.scorer = BatchScorer(config, tokenizer, reward_fn, val_reward_fn)  # every score of a batch
@@ -196,7 +199,7 @@ class RayPPOTrainer:
         ref_in_actor = self.use_reference_policy and int(arr.model.lora_rank) > 0
         if self.use_reference_policy and not ref_in_actor:
             roles[Role.RefPolicy.value] = ClassWithInitArgs(ActorRolloutRefWorker, config=arr, role="ref")
-        if self.use_teacher:  # placed like the reference: beside the actor, in the training pool
+        if teacher_models(self.config.teacher):  # placed like the reference: beside the actor, in the training pool
             roles[Role.Teacher.value] = ClassWithInitArgs(TeacherWorker, config=self.config.teacher)
         rm_role = None
         if self.scorer.use_rm:
@@ -238,6 +241,8 @@ class RayPPOTrainer:
                 wg.call(worker.init_model)
         if ref_in_actor:
             self.ref_policy_wg = self.actor_rollout_wg
+        if self.use_teacher:  # a teacher.url is probed here again (preflight did first)
+            self.teacher = TeacherScorer(self.config, self.tokenizer, self.teacher_wg)
         self.rollouts.connect()  # split: the weight stream from the actor to the rollout pool
         if arr.rollout.name == "vllm":  # colocated or split: what the engines hold, rank by rank
             print(self.rollouts.describe())
@@ -349,9 +354,9 @@ class RayPPOTrainer:
                 batch = batch.union(self.ref_policy_wg.call(ActorRolloutRefWorker.compute_ref_log_prob, batch))
         if self.use_teacher:  # with the JSD term, also the teacher's top-k at each position (teacher.topk)
             jsd_coef = float(algo.distill.jsd_coef)
-            batch.meta_info["topk"] = int(self.config.teacher.topk) if jsd_coef > 0 else 0
+            topk = int(self.config.teacher.topk) if jsd_coef > 0 else 0
             with timer("teacher", timing):
-                batch = batch.union(self.teacher_wg.call(TeacherWorker.compute_teacher_log_prob, batch))
+                batch = batch.union(self.teacher.score(batch, topk))
             if jsd_coef > 0:  # the actor's loss adds jsd_coef x GKD's JSD to those (hflow.algorithms.distill)
                 batch.meta_info["distill_jsd"] = {"coef": jsd_coef, "beta": float(algo.distill.jsd_beta)}
         if self.use_critic:
@@ -368,9 +373,12 @@ class RayPPOTrainer:
             # the tools', environments' and simulated users' rewards, on their turns (algorithm.turn_rewards)
             scores = core_algos.credit_turn_rewards(scores, batch.batch.get("turn_rewards"), algo.turn_rewards)
             if self.use_teacher:  # on-policy distillation: + coef x (teacher - student log-prob) per sampled token
+                mask = batch.batch["response_mask"]
+                if "teacher_row_mask" in batch.batch.keys():  # teacher.by_data_source: rows without a teacher
+                    mask = mask * batch.batch["teacher_row_mask"][:, None].to(mask.dtype)
                 scores, distill_metrics = mix_distillation_reward(
-                    scores, batch.batch["teacher_log_prob"], batch.batch["old_log_probs"],
-                    batch.batch["response_mask"], float(algo.distill.coef), float(algo.distill.task_reward_coef))
+                    scores, batch.batch["teacher_log_prob"], batch.batch["old_log_probs"], mask,
+                    float(algo.distill.coef), float(algo.distill.task_reward_coef))
                 metrics.update(distill_metrics)
             if algo.use_kl_in_reward:
                 metrics.update(apply_kl_penalty(batch, self.kl_ctrl_in_reward, algo.kl_penalty, scores))

@@ -355,6 +355,8 @@ class DataParallelPPOActor(BasePPOActor):
         jsd = data.meta_info.get("distill_jsd")
         if jsd is not None:
             keys += ["teacher_topk_ids", "teacher_topk_log_probs"]
+            if "teacher_row_mask" in data.batch.keys():  # teacher.by_data_source: rows without a teacher
+                keys.append("teacher_row_mask")
         batch, mm_inputs = forward_batch(data, keys)
 
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -433,7 +435,8 @@ class DataParallelPPOActor(BasePPOActor):
         if jsd is not None:  # GKD: the student's distribution toward the teacher's on its top-k (+ the rest)
             divergence = topk_generalized_jsd(distribution["support_log_probs"], micro_batch["teacher_topk_log_probs"],
                                               float(jsd["beta"]))
-            jsd_loss = agg_loss(divergence, mask, cfg.loss_agg_mode, info)
+            jsd_mask = mask * micro_batch["teacher_row_mask"][:, None] if "teacher_row_mask" in micro_batch else mask
+            jsd_loss = agg_loss(divergence, jsd_mask, cfg.loss_agg_mode, info)
             loss = loss + float(jsd["coef"]) * jsd_loss
             step.add_loss("actor/distill_jsd", jsd_loss)
         if trace:

@@ -220,6 +220,15 @@ def load_causal_lm(
     return _on_this_rank(auto_class, path, config, dtype, attn_implementation, trust_remote_code, rank0_only)
 
 
+def load_frozen_causal_lm(model_cfg: Any) -> nn.Module:
+    """A model section's causal LM (`path`, `override_config`, `trust_remote_code`, `attn_implementation`) to
+    be frozen (a reference, a teacher): in the compute dtype, since no fp32 master weights are needed, read
+    by rank 0 only."""
+    return load_causal_lm(model_cfg.path, dtype=device.compute_dtype(), override_config=model_cfg.override_config,
+                          trust_remote_code=model_cfg.trust_remote_code,
+                          attn_implementation=model_cfg.attn_implementation, rank0_only=True)
+
+
 def load_value_model(
     path: str,
     dtype: str | torch.dtype | None = None,

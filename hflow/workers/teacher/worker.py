@@ -20,7 +20,7 @@ from hflow.protocol import DataProto
 from hflow.single_controller.base import Dispatch, Worker, register
 from hflow.utils import device
 from hflow.workers.fsdp_workers import FSDPModelHolder
-from hflow.workers.teacher.config import normalize_teacher
+from hflow.workers.teacher.config import normalize_teacher, teacher_models
 
 
 class TeacherWorker(Worker, FSDPModelHolder):
@@ -38,28 +38,28 @@ class TeacherWorker(Worker, FSDPModelHolder):
         self.config = normalize_teacher(self.raw_config)
         self.init_distributed()
         self.device_mesh = fsdp.build_device_mesh(self.world_size)
-        model_cfg = self.config.model
-        module = fsdp.load_causal_lm(
-            model_cfg.path,
-            dtype=device.compute_dtype(),  # frozen: no fp32 master weights needed
-            override_config=model_cfg.override_config,
-            trust_remote_code=model_cfg.trust_remote_code,
-            attn_implementation=model_cfg.attn_implementation,
-            rank0_only=True,
-        )
-        self.teacher_module, _, _ = self._build_trainable(
-            module, self.config.fsdp_config, None, gradient_checkpointing=False, train=False)
-        self.teacher = DataParallelPPOActor(self.config, self.teacher_module)
         self._offload_param = bool(self.config.fsdp_config.param_offload)
-        self._offload(self.teacher_module, None, self._offload_param, False)
+        # {name: (FSDP module, its log-prob entry point)}: "" for teacher.model, else one per data source
+        self.teachers = {}
+        for name, model_cfg in teacher_models(self.config).items():
+            module, _, _ = self._build_trainable(fsdp.load_frozen_causal_lm(model_cfg), self.config.fsdp_config, None,
+                                                 gradient_checkpointing=False, train=False)
+            self.teachers[name] = (module, DataParallelPPOActor(self.config, module))
+            self._offload(module, None, self._offload_param, False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
         """The teacher's log-probs of the sampled responses, `teacher_log_prob` (B, L); with
         `meta_info["topk"]` = k > 0 (the trainer's, where the GKD term needs it), also the teacher's k most
         likely tokens at each response position from the same forward: `teacher_topk_ids` (B, L, k) int32
-        and `teacher_topk_log_probs` (B, L, k), at the same temperature."""
-        self._onload(self.teacher_module, None, self._offload_param, False)
+        and `teacher_topk_log_probs` (B, L, k), at the same temperature. `meta_info["teacher"]` names the
+        model (a `teacher.by_data_source` key; "" or absent: `teacher.model`): every rank scores with the same
+        one, so the trainer sends each data source's rows in a call of their own."""
+        name = str(data.meta_info.get("teacher", ""))
+        if name not in self.teachers:
+            raise KeyError(f"the teacher worker has no model {name!r} (it has {sorted(self.teachers)})")
+        module, teacher = self.teachers[name]
+        self._onload(module, None, self._offload_param, False)
         topk = int(data.meta_info.get("topk", 0))
         data.meta_info.update(
             micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
@@ -69,11 +69,11 @@ class TeacherWorker(Worker, FSDPModelHolder):
         )
         data = data.to(device.get_device())
         if topk > 0:
-            log_probs, topk_ids, topk_log_probs = self.teacher.compute_log_prob_and_topk(data, topk)
+            log_probs, topk_ids, topk_log_probs = teacher.compute_log_prob_and_topk(data, topk)
             columns = {"teacher_log_prob": log_probs.cpu(), "teacher_topk_ids": topk_ids.cpu(),
                        "teacher_topk_log_probs": topk_log_probs.cpu()}
         else:
-            log_probs, _ = self.teacher.compute_log_prob(data, calculate_entropy=False)
+            log_probs, _ = teacher.compute_log_prob(data, calculate_entropy=False)
             columns = {"teacher_log_prob": log_probs.cpu()}
-        self._offload(self.teacher_module, None, self._offload_param, False)
+        self._offload(module, None, self._offload_param, False)
         return DataProto.from_dict(columns)
