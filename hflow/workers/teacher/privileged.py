@@ -13,7 +13,6 @@ prompt lacks (the ground truth, a hint, a worked solution), scoring the student'
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -100,14 +99,15 @@ def check_teacher_data(config: Any) -> None:
     privileged template names (DataError naming the file, row and field); with `teacher.by_data_source`,
     each key is a data source of the data (a typo would silently leave its rows without a teacher), and with
     `teacher.required=true` each data source of the data has a teacher."""
-    from hflow.utils.dataset.rl_dataset import read_parquet, resolve_files
+    from hflow.utils.dataset.sources import describe_row, read_table, resolve_files, split_for
 
     teacher, data = config.teacher, config.data
     if teacher.source != "self" and not teacher.by_data_source:
         return
     seen: set[str] = set()
+    split, _ = split_for(data, "data.train_files")
     for path in resolve_files(data.train_files, "data.train_files"):
-        table = read_parquet(path, "data.train_files")
+        table = read_table(path, "data.train_files", split=split)  # parquet, JSONL or a saved dataset
         if data.reward_fn_key in table.column_names:
             seen.update(map(str, table.column(data.reward_fn_key).to_pylist()))
         if teacher.source != "self":
@@ -115,7 +115,7 @@ def check_teacher_data(config: Any) -> None:
         for index, row in enumerate(table.to_pylist()):
             messages = row.pop(data.prompt_key, None) or []
             privileged_text(teacher.privileged_template, row_fields(row, list(messages)),
-                            f"data.train_files: {Path(path).name} row {index}")
+                            f"data.train_files: {describe_row(path, index)}")
     if teacher.by_data_source:
         keys = set(map(str, teacher.by_data_source))
         unknown = sorted(keys - seen)
