@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from hflow.tasks.rlhf_task import ensure_rlhf_task_data
-from hflow.utils.dataset.rl_dataset import read_parquet
+from hflow.utils.dataset.sources import read_table
 from hflow.reward.score.answer_style import HOUSE_STYLE, compute_score, parse
 
 
@@ -98,7 +98,7 @@ def _mean(values) -> float:
 
 def evaluate_policy(policy: str, reward_model: RewardModel | None, split: str = "val") -> dict:
     files = ensure_rlhf_task_data()
-    table = read_parquet(files.ppo_val if split == "val" else files.ppo_train, "ppo data")
+    table = read_table(files.ppo_val if split == "val" else files.ppo_train, "ppo data")
     chats = table.column("prompt").to_pylist()
     answers = [int(row["ground_truth"]) for row in table.column("reward_model").to_pylist()]
     prompts, responses, texts = greedy_responses(policy, chats)
@@ -121,7 +121,7 @@ def pair_accuracy(reward_model: RewardModel, split: str = "val") -> dict[str, fl
     """Share of the split's preference pairs the reward model ranks the way the hidden preference does,
     per kind of pair and over all of them (ties count as wrong)."""
     files = ensure_rlhf_task_data()
-    rows = read_parquet(files.rm_val if split == "val" else files.rm_train, "rm data").to_pylist()
+    rows = read_table(files.rm_val if split == "val" else files.rm_train, "rm data").to_pylist()
     chosen = reward_model.scores([reward_model.encode(r["prompt"], r["chosen"]) for r in rows])
     rejected = reward_model.scores([reward_model.encode(r["prompt"], r["rejected"]) for r in rows])
     by_kind: dict[str, list[bool]] = defaultdict(list)

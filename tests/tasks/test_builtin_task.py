@@ -140,9 +140,9 @@ def test_default_spec_is_valid():
 
 def test_info_file(quick_assets):
     info = json.loads(Path(quick_assets.info_file).read_text())
-    # a zero p_hedge is left out, and so are the MoE fields of a dense spec (num_experts 0)
+    # a zero p_hedge or p_hint is left out, and so are the MoE fields of a dense spec (num_experts 0)
     no_hedges = {k: v for k, v in dataclasses.asdict(QUICK).items()
-                 if k not in ("p_hedge", "num_experts", "experts_per_token", "aux_loss_coef")}
+                 if k not in ("p_hedge", "p_hint", "num_experts", "experts_per_token", "aux_loss_coef")}
     assert info["version"] == bt.VERSION and info["spec"] == no_hedges
     assert (info["num_train"], info["num_val"]) == (115, 40)
     assert set(info["base_model"]) >= {"greedy_acc_val", "greedy_acc_train"}
